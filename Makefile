@@ -1,0 +1,35 @@
+# Two commands set everything up on a fresh clone:
+#   make demo   create .venv, install, train the demo run
+#   make test   create .venv, install, run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_CONFIG ?= configs/mnist_single.toml
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: a CPU wheel of this version is on these machines; an open
+	# range would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/scaleout train $(DEMO_CONFIG) --overwrite
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+"""`python -m scaleout` is the `scaleout` command."""
+
+from scaleout.cli import entry
+
+entry()

@@ -1,0 +1,130 @@
+"""Benchmark suites: `scaleout bench SUITE`.
+
+Each suite measures figures side by side in one run (this machine is shared and noisy, so
+only ratios taken together mean anything), and returns rows that the runner prints as a
+table beside the papers' numbers, writes to `results/<suite>.json` and plots as a PNG.
+Suites register themselves with `@register_suite`; later strategies add theirs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from scaleout.errors import UserError
+
+
+@dataclass
+class Row:
+    """One measured figure. `meets` is decided from `target` and `better`."""
+
+    name: str
+    value: float
+    unit: str
+    better: Literal["lower", "higher"]
+    paper: float | None = None
+    target: float | None = None
+
+    @property
+    def meets(self) -> bool | None:
+        if self.target is None:
+            return None
+        return self.value <= self.target if self.better == "lower" else self.value >= self.target
+
+
+@dataclass
+class SuiteResult:
+    rows: list[Row]
+    plot: Callable[[Path], None] | None = None  # draws the suite's own figure to a PNG path
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Suite:
+    name: str
+    description: str
+    run: Callable[[], SuiteResult]
+
+
+SUITES: dict[str, Suite] = {}
+# Modules that define suites, imported on first use so `scaleout --help` stays fast.
+SUITE_MODULES = ("scaleout.bench.single",)
+
+
+def register_suite(
+    name: str, description: str
+) -> Callable[[Callable[[], SuiteResult]], Callable[[], SuiteResult]]:
+    def add(run: Callable[[], SuiteResult]) -> Callable[[], SuiteResult]:
+        assert name not in SUITES, f"benchmark suite {name!r} registered twice"
+        SUITES[name] = Suite(name, description, run)
+        return run
+
+    return add
+
+
+def available_suites() -> dict[str, Suite]:
+    for module in SUITE_MODULES:
+        importlib.import_module(module)
+    return SUITES
+
+
+def machine() -> dict[str, object]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+
+
+def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
+    """Run suite `name`; write `<out_dir>/<name>.json` and `.png`; return the JSON document."""
+    suites = available_suites()
+    if name not in suites:
+        raise UserError(f"no benchmark suite {name!r}; available: {', '.join(sorted(suites))}")
+    result = suites[name].run()
+    document = {
+        "suite": name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "rows": [{**asdict(row), "meets": row.meets} for row in result.rows],
+        "notes": result.notes,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    json_path.write_text(json.dumps(document, indent=1) + "\n")
+    (result.plot or (lambda path: plot_rows(result.rows, path, name)))(png_path)
+    return document, json_path, png_path
+
+
+def plot_rows(rows: list[Row], out: Path, title: str) -> None:
+    """Default figure: one horizontal bar per row, grouped by unit, paper values beside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    units = sorted({row.unit for row in rows})
+    fig, axes = plt.subplots(len(units), 1, figsize=(9, 1.2 + 0.5 * len(rows)), squeeze=False)
+    for ax, unit in zip(axes[:, 0], units, strict=True):
+        group = [row for row in rows if row.unit == unit]
+        ys = range(len(group))
+        ax.barh(ys, [row.value for row in group], height=0.4, label="measured")
+        papers = [(y, row.paper) for y, row in zip(ys, group, strict=True) if row.paper is not None]
+        if papers:
+            ax.barh([y + 0.4 for y, _ in papers], [p for _, p in papers], height=0.4, label="paper")
+            ax.legend()
+        ax.set_yticks(list(ys), [row.name for row in group])
+        ax.set_xlabel(unit)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,172 @@
+"""Checkpoints: safetensors + a JSON sidecar, written atomically, verified on load.
+
+A checkpoint `step_00001000` is two files: `step_00001000.safetensors` (the tensors) and
+`step_00001000.json` (step, config, metrics, optimizer hyper-parameters, and the SHA-256 of
+both the tensor file and its own metadata). Each is written to a temporary file, flushed and
+renamed into place, tensors first: the sidecar is the commit point, so a process killed at
+any moment leaves either the previous checkpoint or the new one, never half of one. Loading
+recomputes both checksums and refuses a file with a single flipped byte. No pickle anywhere:
+a checkpoint from an untrusted source cannot run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from scaleout.errors import CheckpointError
+
+FORMAT = "scaleout.checkpoint/1"
+_STEM = re.compile(r"^step_(\d{8,})\.json$")
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write `path` through `write(tmp)`, then fsync and rename: readers never see a partial
+    file. The temporary file is removed if writing fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _meta_sha256(meta: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def save_checkpoint(stem: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write `<stem>.safetensors` and then `<stem>.json`; return the sidecar's path."""
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    tensor_path = stem.with_suffix(".safetensors")
+    atomic_write(tensor_path, lambda tmp: save_file(cpu, str(tmp)))
+    meta = json.loads(json.dumps(meta))  # JSON types only, so the checksum is reproducible
+    sidecar = {
+        "format": FORMAT,
+        "tensors": tensor_path.name,
+        "sha256": file_sha256(tensor_path),
+        "meta": meta,
+        "meta_sha256": _meta_sha256(meta),
+    }
+    json_path = stem.with_suffix(".json")
+    atomic_write(json_path, lambda tmp: tmp.write_text(json.dumps(sidecar, indent=1)))
+    return json_path
+
+
+def load_checkpoint(json_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read and verify a checkpoint; raise `CheckpointError` naming the file otherwise."""
+    try:
+        sidecar = json.loads(json_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {json_path} does not exist") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(
+            f"checkpoint {json_path} is corrupted (unreadable JSON: {err})"
+        ) from None
+    if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {json_path} is not a {FORMAT} sidecar")
+    meta = sidecar.get("meta")
+    if not isinstance(meta, dict) or sidecar.get("meta_sha256") != _meta_sha256(meta):
+        raise CheckpointError(
+            f"checkpoint {json_path} is corrupted: its metadata fails the SHA-256 check"
+        )
+    tensor_path = json_path.with_name(str(sidecar.get("tensors")))
+    if tensor_path.parent != json_path.parent or not tensor_path.is_file():
+        raise CheckpointError(
+            f"checkpoint {json_path}: its tensor file {tensor_path.name} is missing"
+        )
+    if file_sha256(tensor_path) != sidecar.get("sha256"):
+        raise CheckpointError(
+            f"checkpoint {tensor_path} is corrupted: SHA-256 differs from the one recorded in "
+            f"{json_path.name}; delete both files to fall back to an earlier checkpoint"
+        )
+    return load_file(str(tensor_path)), meta
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer's state into tensors (`optim.<param>.<key>`) and JSON metadata."""
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for param_id, state in state_dict["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{param_id}.{key}"] = value
+            else:
+                scalars.setdefault(str(param_id), {})[key] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
+    """Inverse of `optimizer_state`."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, param_id, key = name.split(".", 2)
+            state.setdefault(int(param_id), {})[key] = value
+    for param_id, values in meta["scalars"].items():
+        state.setdefault(int(param_id), {}).update(values)
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(
+            f"checkpoint optimizer state does not fit this optimizer: {err}"
+        ) from None
+
+
+class CheckpointDir:
+    """The checkpoints of one run: `step_<N>.{safetensors,json}`, the newest `keep` kept."""
+
+    def __init__(self, directory: Path, keep: int = 2) -> None:
+        self.directory = directory
+        self.keep = keep
+
+    def steps(self) -> list[int]:
+        if not self.directory.is_dir():
+            return []
+        found = (_STEM.match(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}.json"
+
+    def latest(self) -> Path | None:
+        steps = self.steps()
+        return self.path(steps[-1]) if steps else None
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+        for stale in self.directory.glob(".*.tmp"):  # left by a process killed mid-write
+            stale.unlink(missing_ok=True)
+        path = save_checkpoint(self.path(step).with_suffix(""), tensors, meta)
+        for old in self.steps()[: -self.keep]:
+            self.path(old).unlink(missing_ok=True)  # sidecar first: it is the commit point
+            self.path(old).with_suffix(".safetensors").unlink(missing_ok=True)
+        return path

@@ -1,0 +1,196 @@
+"""The `scaleout` command: parse, validate, build, run, clean up.
+
+    scaleout train CONFIG [--out DIR] [--resume] [--overwrite] [--set key=value ...]
+    scaleout info CONFIG [--set key=value ...]
+    scaleout report RUN_DIR
+    scaleout bench SUITE | --list
+
+A user error (bad config, missing data, corrupted checkpoint) prints one line per problem
+and exits with status 2; Ctrl-C during training saves a checkpoint and exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from scaleout import __version__
+from scaleout.errors import UserError
+
+out = Console()
+err = Console(stderr=True)
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def _train(args: argparse.Namespace) -> int:
+    from scaleout.config import load_config
+    from scaleout.optim import STRATEGIES
+    from scaleout.rundir import RunDir
+
+    config = load_config(args.config, args.set)
+    if args.out is not None:
+        config.run.out_dir = args.out
+    run = RunDir.prepare(config, resume=args.resume, overwrite=args.overwrite)
+    err.print(f"[bold]{config.run.name}[/]: strategy {config.train.strategy}, writing {run.path}")
+    result = STRATEGIES[config.train.strategy](config, run, args.resume)
+    _print_summary(result.summary, run.path)
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from scaleout.config import load_config
+    from scaleout.info import describe_model, human
+
+    config = load_config(args.config, args.set)
+    info = describe_model(config)
+    table = Table(title=f"{config.run.name}: model {info.kind}, input {info.input_shape}")
+    for column in ("layer", "type", "shapes", "parameters", "forward FLOPs / example"):
+        table.add_column(column, justify="right" if column[0] in "pf" else "left")
+    for layer in info.layers:
+        shapes = ", ".join("x".join(map(str, s)) for s in layer.shapes)
+        table.add_row(layer.name, layer.kind, shapes, f"{layer.params:,}", f"{layer.flops:,}")
+    table.add_section()
+    table.add_row("total", "", "", f"{info.params:,}", f"{info.forward_flops:,}")
+    out.print(table)
+    out.print(f"parameters: {info.params:,} ({human(info.params)})")
+    for name, size in info.memory.items():
+        out.print(f"memory for {name}: {human(size, 'B')}")
+    out.print(
+        f"memory for training ({config.train.optimizer}, fp32): "
+        f"{human(sum(info.memory.values()), 'B')}"
+    )
+    out.print(
+        f"FLOPs per example: forward {human(info.forward_flops)}, "
+        f"training ~{human(info.train_flops)} (3x forward)"
+    )
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from scaleout.rundir import RunDir
+
+    run = RunDir(args.run_dir)
+    if not run.metrics.is_file():
+        raise UserError(f"{args.run_dir}: no {run.metrics.name} here; give a run directory")
+    _print_summary(run.finish(), run.path)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from scaleout.bench import available_suites, run_suite
+
+    if args.list or args.suite is None:
+        for suite in available_suites().values():
+            out.print(f"{suite.name:16} {suite.description}")
+        return 0
+    document, json_path, png_path = run_suite(args.suite, args.out)
+    table = Table(title=f"bench {args.suite}")
+    for column in ("figure", "ours", "unit", "paper", "target", "meets"):
+        table.add_column(column, justify="left" if column in ("figure", "unit") else "right")
+    for row in document["rows"]:
+        better = "<=" if row["better"] == "lower" else ">="
+        table.add_row(
+            row["name"],
+            f"{row['value']:.4g}",
+            row["unit"],
+            "" if row["paper"] is None else f"{row['paper']:.4g}",
+            "" if row["target"] is None else f"{better} {row['target']:.4g}",
+            {True: "[green]yes", False: "[red]no", None: ""}[row["meets"]],
+        )
+    out.print(table)
+    for note in document["notes"]:
+        out.print(f"note: {note}")
+    out.print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _print_summary(summary: dict, run_dir: Path) -> None:
+    table = Table(title=f"run {run_dir}", show_header=False)
+    for key, value in summary.items():
+        if isinstance(value, float):
+            value = f"{100 * value:.2f}%" if "accuracy" in key else f"{value:,.4g}"
+        table.add_row(key.replace("_", " "), str(value))
+    out.print(table)
+    for name in ("metrics.jsonl", "metrics.png", "checkpoints"):
+        if (run_dir / name).exists():
+            out.print(f"  {run_dir / name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scaleout", description="Train deep networks across many workers."
+    )
+    parser.add_argument("--version", action="version", version=f"scaleout {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    train = verbs.add_parser("train", help="train a run from a TOML config")
+    train.add_argument("config", type=Path, help="run config (TOML)")
+    train.add_argument("--out", type=Path, help="parent directory of the run (run.out_dir)")
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    train.add_argument(
+        "--overwrite", action="store_true", help="start again in a run directory that holds a run"
+    )
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.lr=0.01 (repeatable)",
+    )
+    train.set_defaults(handler=_train)
+
+    info = verbs.add_parser("info", help="parameters, memory and FLOPs of a config's model")
+    info.add_argument("config", type=Path, help="run config (TOML)")
+    info.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
+    info.set_defaults(handler=_info)
+
+    report = verbs.add_parser("report", help="re-draw a run's plot and print its summary")
+    report.add_argument("run_dir", type=Path, help="a run directory, e.g. runs/mnist_single")
+    report.set_defaults(handler=_report)
+
+    bench = verbs.add_parser("bench", help="run a benchmark suite (side by side with the papers)")
+    bench.add_argument("suite", nargs="?", help="suite name; --list shows them")
+    bench.add_argument("--list", action="store_true", help="list the suites")
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results"),
+        help="where to write <suite>.json and .png (default: results)",
+    )
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except UserError as error:
+        for line in str(error).splitlines():
+            err.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return EXIT_INTERRUPTED
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,376 @@
+"""Run configuration: pydantic models loaded from TOML.
+
+A run is described by one TOML file with the sections `[run]`, `[data]`, `[loader]`,
+`[model]`, `[train]` and one section per strategy (`[downpour]`, `[sandblaster]`, `[sync]`,
+`[model_parallel]`, `[compress]`), which later strategies fill. Unknown keys are errors, and
+a bad file is reported as one line per problem naming the file, the key path, the bad value
+and what is allowed (see `ConfigError`), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from scaleout.errors import ConfigError, DataError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --- [run] ---------------------------------------------------------------------------------
+
+
+class RunSection(Section):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = "run"
+    seed: NonNegativeInt = 0
+    device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")] = "auto"
+    out_dir: Path = Path("runs")
+    num_threads: PositiveInt | None = None  # torch intra-op threads; None: torch's default
+
+
+# --- [data] --------------------------------------------------------------------------------
+
+
+class ImageIdxData(Section):
+    """MNIST (shipped with the project) or Fashion-MNIST, read from IDX files."""
+
+    dataset: Literal["mnist", "fashion_mnist"]
+    path: Path | None = None  # default: $SCALEOUT_DATA, the project's copy, ../shared/data
+    normalize: bool = True
+    num_train: PositiveInt | None = None  # use only the first N examples (quick runs)
+    num_test: PositiveInt | None = None
+
+
+class NpzData(Section):
+    """Arrays in one .npz file: x_train, y_train, x_test, y_test."""
+
+    dataset: Literal["npz"]
+    path: Path
+    num_train: PositiveInt | None = None
+    num_test: PositiveInt | None = None
+
+
+class SyntheticData(Section):
+    """Generated examples of any shape: class means plus noise, made on demand."""
+
+    dataset: Literal["synthetic"]
+    input_shape: Annotated[list[PositiveInt], Field(min_length=1)]
+    num_classes: Annotated[int, Field(ge=2)] = 10
+    num_train: PositiveInt = 10_000
+    num_test: PositiveInt = 2_000
+    signal: NonNegativeFloat = 1.0
+
+
+class PatchData(Section):
+    """Whitened patches of scikit-image's bundled natural photos (unlabelled)."""
+
+    dataset: Literal["patches"]
+    patch_size: PositiveInt = 16
+    channels: PositiveInt = 1
+    num_train: PositiveInt = 10_000
+    num_test: PositiveInt = 1_000
+    images: list[str] | None = None  # default: every bundled photo
+
+
+DataSection = Annotated[
+    ImageIdxData | NpzData | SyntheticData | PatchData, Field(discriminator="dataset")
+]
+
+
+class LoaderSection(Section):
+    workers: NonNegativeInt = 0  # 0: load in the training process
+    pin_memory: bool | Literal["auto"] = "auto"  # auto: pin when training on CUDA
+
+
+# --- [model] -------------------------------------------------------------------------------
+
+Activation = Literal["relu", "sigmoid", "tanh", "gelu"]
+
+
+class MLPModel(Section):
+    kind: Literal["mlp"]
+    sizes: Annotated[list[PositiveInt], Field(min_length=2)]
+    activation: Activation = "relu"
+    # Dropout before each linear layer: one value for all, or one per layer.
+    dropout: Annotated[float, Field(ge=0, lt=1)] | list[Annotated[float, Field(ge=0, lt=1)]] = 0.0
+
+    @model_validator(mode="after")
+    def _dropout_per_layer(self) -> MLPModel:
+        num_layers = len(self.sizes) - 1
+        if isinstance(self.dropout, list) and len(self.dropout) != num_layers:
+            raise ValueError(
+                f"dropout has {len(self.dropout)} values but sizes {self.sizes} make "
+                f"{num_layers} layers: give one value or {num_layers}"
+            )
+        return self
+
+
+class SpeechDNNModel(Section):
+    """DistBelief's acoustic model: 11 frames x 40 features, 4 x 2560 sigmoid, softmax 8192."""
+
+    kind: Literal["speech_dnn"]
+    context_frames: PositiveInt = 11
+    num_features: PositiveInt = 40
+    hidden: PositiveInt = 2560
+    num_hidden_layers: PositiveInt = 4
+    num_classes: Annotated[int, Field(ge=2)] = 8192
+
+
+ModelSection = Annotated[MLPModel | SpeechDNNModel, Field(discriminator="kind")]
+
+
+# --- [train] -------------------------------------------------------------------------------
+
+Strategy = Literal["single"]
+OptimizerName = Literal["sgd", "momentum", "adagrad", "rmsprop", "adam"]
+
+
+class TrainSection(Section):
+    strategy: Strategy = "single"
+    epochs: PositiveInt = 1
+    steps: PositiveInt | None = None  # when set, overrides epochs
+    batch_size: PositiveInt = 128
+    optimizer: OptimizerName = "sgd"
+    lr: PositiveFloat = 0.01
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9  # "momentum"; rmsprop/adam ignore it
+    weight_decay: NonNegativeFloat = 0.0
+    eval_every: PositiveInt = 500  # steps between test evaluations (and one at the end)
+    eval_batch_size: PositiveInt = 1000
+    log_every: PositiveInt = 50  # steps between metrics lines
+    checkpoint_every: PositiveInt = 1000  # steps between checkpoints (and one at the end)
+    keep_checkpoints: PositiveInt = 2
+
+
+# --- strategy sections, filled by the strategies that use them -----------------------------
+
+
+class DownpourSection(Section):
+    """Downpour SGD on a sharded parameter server."""
+
+
+class SandblasterSection(Section):
+    """Sandblaster L-BFGS."""
+
+
+class SyncSection(Section):
+    """Synchronous data parallelism."""
+
+
+class ModelParallelSection(Section):
+    """Model parallelism over a grid of workers."""
+
+
+class CompressSection(Section):
+    """Compression of messages."""
+
+
+# --- the whole run -------------------------------------------------------------------------
+
+
+class RunConfig(Section):
+    run: RunSection = Field(default_factory=RunSection)
+    data: DataSection
+    loader: LoaderSection = Field(default_factory=LoaderSection)
+    model: ModelSection
+    train: TrainSection = Field(default_factory=TrainSection)
+    downpour: DownpourSection = Field(default_factory=DownpourSection)
+    sandblaster: SandblasterSection = Field(default_factory=SandblasterSection)
+    sync: SyncSection = Field(default_factory=SyncSection)
+    model_parallel: ModelParallelSection = Field(default_factory=ModelParallelSection)
+    compress: CompressSection = Field(default_factory=CompressSection)
+
+    @field_validator("data", "model", mode="before")
+    @classmethod
+    def _table_required(cls, value: Any) -> Any:  # noqa: ANN401
+        if not isinstance(value, dict):
+            raise ValueError("must be a table, e.g. [data] with its keys below")
+        return value
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.out_dir / self.run.name
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
+    """Read, override (`--set key.path=value`) and validate a run config.
+
+    Raises `ConfigError` with one line per problem; data paths are checked here too so a
+    run fails before it builds anything.
+    """
+    source = Path(path)
+    try:
+        raw = tomllib.loads(source.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: is a directory, expected a TOML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not a text file, expected TOML") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{source}: invalid TOML: {err}") from None
+    for override in overrides:
+        apply_override(raw, override)
+    return config_from_dict(raw, source=str(source))
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> RunConfig:
+    """Validate a raw dict as a run config; errors name `source` and the key path."""
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as err:
+        lines = [f"{source}: {line}" for line in describe_errors(err, raw)]
+        raise ConfigError("\n".join(lines)) from None
+    check_data_paths(config, source)
+    return config
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in a raw config; the value is parsed as TOML, else kept as text."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        raise ConfigError(f"--set {override!r}: expected key.path=value, e.g. train.lr=0.01")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {override!r}: {part} is not a table")
+        node = child
+    node[leaf] = value
+
+
+def check_data_paths(config: RunConfig, source: str) -> None:
+    """Fail early, as a config error, when the data the run needs is not on disk."""
+    from scaleout.data import find_data_dir  # the data room; imported late to keep config light
+
+    data = config.data
+    try:
+        if isinstance(data, ImageIdxData):
+            find_data_dir(data.dataset, data.path)
+        elif isinstance(data, NpzData) and not data.path.is_file():
+            raise DataError(
+                f"no such file {str(data.path)!r}; point data.path at a .npz with "
+                "x_train, y_train, x_test, y_test"
+            )
+    except DataError as err:
+        raise ConfigError(f"{source}: data.path = {_show(data.path)}: {err}") from None
+
+
+# --- error messages ------------------------------------------------------------------------
+
+_DISCRIMINATORS = ("dataset", "kind")
+
+
+def describe_errors(err: ValidationError, raw: dict[str, Any]) -> list[str]:
+    """One line per validation error: `key.path = value: what is wrong (what is allowed)`."""
+    lines = []
+    for error in err.errors(include_url=False):
+        keys = _key_path(error["loc"], raw)
+        path = ".".join(keys) or "<top level>"
+        kind = error["type"]
+        if kind == "extra_forbidden":
+            allowed = ", ".join(_allowed_keys(keys[:-1], raw))
+            where = f"[{'.'.join(keys[:-1])}]" if len(keys) > 1 else "the top level"
+            lines.append(f"{path}: unknown key (allowed in {where}: {allowed})")
+        elif kind == "missing":
+            lines.append(f"{path}: missing required key")
+        elif kind in ("union_tag_invalid", "union_tag_not_found"):
+            tag = error["ctx"]["discriminator"].strip("'")
+            expected = error["ctx"].get("expected_tags", "")
+            value = error["input"].get(tag) if isinstance(error["input"], dict) else None
+            shown = "missing" if value is None else _show(value)
+            lines.append(f"{path}.{tag} = {shown}: expected one of {expected}")
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            lines.append(f"{path} = {_show(error['input'])}: {message}")
+    return lines
+
+
+def _key_path(loc: tuple[int | str, ...], raw: dict[str, Any]) -> list[str]:
+    """The user's key path: pydantic's location less the union tags it inserts."""
+    keys: list[str] = []
+    node: Any = raw
+    for part in loc:
+        if (
+            isinstance(node, dict)
+            and part not in node
+            and any(node.get(tag) == part for tag in _DISCRIMINATORS)
+        ):
+            continue  # a discriminated-union tag, not a key the user wrote
+        keys.append(f"[{part}]" if isinstance(part, int) else str(part))
+        node = node.get(part) if isinstance(node, dict) else None
+    return _join_indices(keys)
+
+
+def _join_indices(keys: list[str]) -> list[str]:
+    joined: list[str] = []
+    for key in keys:
+        if key.startswith("[") and joined:
+            joined[-1] += key
+        else:
+            joined.append(key)
+    return joined
+
+
+def _allowed_keys(section: list[str], raw: dict[str, Any]) -> list[str]:
+    """Field names of the model that holds `section` (a key path) in a run config."""
+    model: type[BaseModel] = RunConfig
+    node: Any = raw
+    for key in section:
+        annotation = model.model_fields[key].annotation
+        node = node.get(key, {}) if isinstance(node, dict) else {}
+        model = _member_for(annotation, node)
+    return list(model.model_fields)
+
+
+def _member_for(annotation: Any, node: Any) -> type[BaseModel]:  # noqa: ANN401
+    """The section model for a field: the union member whose tag the raw table names."""
+    members = getattr(annotation, "__args__", (annotation,))
+    models = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+    if not models:  # Annotated[Union[...], Field(...)]: look one level down
+        return _member_for(members[0], node)
+    for model in models:
+        for tag in _DISCRIMINATORS:
+            field = model.model_fields.get(tag)
+            if (
+                field is not None
+                and isinstance(node, dict)
+                and node.get(tag) in getattr(field.annotation, "__args__", ())
+            ):
+                return model
+    return models[0]
+
+
+def _show(value: Any) -> str:  # noqa: ANN401
+    text = repr(str(value)) if isinstance(value, Path) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

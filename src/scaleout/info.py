@@ -1,0 +1,104 @@
+"""`scaleout info`: what a config's model costs, computed without data or weights.
+
+The model is built on PyTorch's meta device (shapes, no storage), so this works for networks
+far larger than memory; FLOPs come from torch's FlopCounterMode on one traced example.
+Training FLOPs are taken as 3x the forward pass (forward, input gradients, weight gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from scaleout.config import RunConfig
+from scaleout.nn import build_model
+
+# Optimizer state per parameter, in parameter-sized buffers.
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2}
+
+
+@dataclass
+class LayerInfo:
+    name: str
+    kind: str
+    shapes: list[tuple[int, ...]]
+    params: int
+    flops: int  # forward, per example
+
+
+@dataclass
+class ModelInfo:
+    kind: str
+    input_shape: tuple[int, ...]
+    layers: list[LayerInfo]
+    params: int
+    forward_flops: int  # per example
+    bytes_per_value: int
+    optimizer: str
+
+    @property
+    def train_flops(self) -> int:
+        return 3 * self.forward_flops
+
+    @property
+    def memory(self) -> dict[str, int]:
+        """Bytes for parameters, gradients and optimizer state."""
+        weights = self.params * self.bytes_per_value
+        return {
+            "parameters": weights,
+            "gradients": weights,
+            "optimizer state": weights * OPTIMIZER_STATE[self.optimizer],
+        }
+
+
+def describe_model(config: RunConfig) -> ModelInfo:
+    """Parameter counts per layer, memory and FLOPs for the model of `config`."""
+    options = config.model.model_dump(exclude={"kind"})
+    with torch.device("meta"):
+        model = build_model(config.model.kind, **options)
+    input_shape = tuple(model.input_shape)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.eval()(torch.empty(1, *input_shape, device="meta"))
+    per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    root = type(model).__name__
+    layers = [
+        LayerInfo(
+            name=name,
+            kind=type(module).__name__,
+            shapes=[tuple(p.shape) for p in module.parameters(recurse=False)],
+            params=sum(p.numel() for p in module.parameters(recurse=False)),
+            flops=per_module.get(f"{root}.{name}", 0),
+        )
+        for name, module in model.named_modules()
+        if _has_own_parameters(module)
+    ]
+    return ModelInfo(
+        kind=config.model.kind,
+        input_shape=input_shape,
+        layers=layers,
+        params=sum(p.numel() for p in model.parameters()),
+        forward_flops=counter.get_total_flops(),
+        bytes_per_value=torch.finfo(torch.get_default_dtype()).bits // 8,
+        optimizer=config.train.optimizer,
+    )
+
+
+def _has_own_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def human(count: float, unit: str = "") -> str:
+    """1234567 -> '1.23M'; bytes with unit 'B' -> '4.71 MiB'."""
+    if unit == "B":
+        for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(count) < 1024 or suffix == "TiB":
+                return f"{count:.0f} B" if suffix == "B" else f"{count:.2f} {suffix}"
+            count /= 1024
+    for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(count) >= scale:
+            return f"{count / scale:.3g}{suffix}{unit}"
+    return f"{count:.0f}{unit}"
