@@ -74,7 +74,7 @@ def test_overrides_parse_toml_values(tmp_path):
             ["train.optimizer=adamw"],
             "train.optimizer = 'adamw': Input should be 'sgd', 'momentum'",
         ),
-        (GOOD, ["data.path='/no/such/dir'"], "data.path = '/no/such/dir'"),
+        (GOOD, ["data.path='/no/such/dir'"], "data.path /no/such/dir is not an existing directory"),
         (GOOD, ["model.sizes=[784]"], "model.sizes = [784]: List should have at least 2 items"),
         (GOOD, ["model.dropout=[0.1]"], "model = "),
         (GOOD, ["model.kind=cnn"], "model.kind = 'cnn': expected one of 'mlp', 'speech_dnn'"),
@@ -96,6 +96,18 @@ def test_bad_config_is_one_clear_line(tmp_path, capsys, text, overrides, expecte
     assert lines[0].startswith(prefix), lines[0]
     assert expected in lines[0], lines[0]
     assert "Traceback" not in captured.err
+
+
+def test_missing_default_data_names_the_fix(tmp_path, capsys, monkeypatch):
+    from scaleout.data import datasets
+
+    monkeypatch.setattr(datasets, "_repo_root", lambda: tmp_path)
+    monkeypatch.delenv("SCALEOUT_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, GOOD.replace('"mnist"', '"fashion_mnist"'))
+    assert main(["info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot find the fashion_mnist data set" in err and "set data.path or" in err
 
 
 def test_missing_config_file(tmp_path, capsys):

@@ -23,8 +23,8 @@ from rich.table import Table
 from scaleout import __version__
 from scaleout.errors import UserError
 
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True, highlight=False)
+err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130

@@ -279,11 +279,11 @@ def check_data_paths(config: RunConfig, source: str) -> None:
             find_data_dir(data.dataset, data.path)
         elif isinstance(data, NpzData) and not data.path.is_file():
             raise DataError(
-                f"no such file {str(data.path)!r}; point data.path at a .npz with "
+                f"data.path {data.path} is not a file; point data.path at a .npz holding "
                 "x_train, y_train, x_test, y_test"
             )
     except DataError as err:
-        raise ConfigError(f"{source}: data.path = {_show(data.path)}: {err}") from None
+        raise ConfigError(f"{source}: {err}") from None
 
 
 # --- error messages ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
 class TrainingProgress:
@@ -22,7 +22,7 @@ class TrainingProgress:
     def __init__(self, total: int, completed: int = 0, description: str = "train") -> None:
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),

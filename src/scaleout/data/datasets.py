@@ -118,7 +118,7 @@ def find_data_dir(name: str, path: str | Path | None = None) -> Path:
     `./../shared/data/<dir>`; the first directory holding all four files wins.
     """
     if name not in DATASET_DIRS:
-        raise ValueError(f"data.name must be one of {sorted(DATASET_DIRS)}, got {name!r}")
+        raise ValueError(f"data.dataset must be one of {sorted(DATASET_DIRS)}, got {name!r}")
     dirname = DATASET_DIRS[name]
     if path is not None:
         given = Path(path).expanduser()

@@ -1,0 +1,246 @@
+"""Single-worker training: against a hand-written loop, convergence, resume, kill and Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaleout.checkpoint import load_checkpoint
+from scaleout.cli import main
+from scaleout.config import load_config
+from scaleout.data import ShuffledBatchSampler, load_image_idx
+from scaleout.metrics import read_metrics
+from scaleout.nn import MLP
+from scaleout.optim import train_single
+from scaleout.rundir import RunDir
+
+CONFIG = """
+[run]
+name = "{name}"
+seed = 3
+device = "cpu"
+out_dir = "{out}"
+[data]
+dataset = "mnist"
+num_train = {num_train}
+num_test = 1000
+[model]
+kind = "mlp"
+sizes = {sizes}
+dropout = [0.2, 0.5]
+[train]
+steps = {steps}
+batch_size = 32
+optimizer = "{optimizer}"
+lr = {lr}
+eval_every = {eval_every}
+log_every = 10
+checkpoint_every = {checkpoint_every}
+"""
+
+
+def write_config(tmp_path: Path, name: str = "t", **fields) -> Path:
+    values = dict(
+        name=name,
+        out=tmp_path / "runs",
+        num_train=2048,
+        sizes=[784, 64, 10],
+        steps=40,
+        optimizer="momentum",
+        lr=0.05,
+        eval_every=20,
+        checkpoint_every=1000,
+    )
+    values.update(fields)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(CONFIG.format(**values))
+    return path
+
+
+def train(path: Path, *overrides: str, resume: bool = False):
+    config = load_config(path, list(overrides))
+    run = RunDir.prepare(config, resume=resume, overwrite=not resume)
+    return train_single(config, run, resume), run
+
+
+def final_tensors(run: RunDir) -> dict[str, torch.Tensor]:
+    tensors, _ = load_checkpoint(run.checkpoints.latest())
+    return tensors
+
+
+def test_matches_hand_written_loop(tmp_path):
+    """The same SGD-with-momentum steps, dropout masks and batches as a plain torch loop."""
+    result, run = train(write_config(tmp_path), "train.steps=25")
+    assert result.step == 25 and not result.interrupted
+
+    torch.manual_seed(3)
+    model = MLP([784, 64, 10], dropout=[0.2, 0.5])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = load_image_idx("mnist", "train").subset(2048)
+    batches = ShuffledBatchSampler(2048, 32, seed=3, epoch=0, drop_last=True)
+    for _, indices in zip(range(25), batches, strict=False):
+        x, y = data.x[indices], data.y[indices]
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    tensors = final_tensors(run)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(tensors[f"model.{name}"], value, rtol=0, atol=1e-6)
+
+
+def test_converges_and_writes_metrics_plot_checkpoint(tmp_path):
+    path = write_config(
+        tmp_path,
+        num_train=8192,
+        steps=500,
+        optimizer="adam",
+        lr=0.001,
+        eval_every=250,
+        checkpoint_every=250,
+    )
+    result, run = train(path, "model.dropout=0.0")
+    assert result.summary["final_test_accuracy"] > 0.9
+    records = read_metrics(run.metrics)
+    assert [r["step"] for r in records] == list(range(10, 501, 10))
+    for record in records:
+        assert {"time_s", "step", "examples", "loss", "lr", "train_accuracy"} <= record.keys()
+        assert record["examples"] == 32 * record["step"]
+    evals = [r for r in records if "test_accuracy" in r]
+    assert [r["step"] for r in evals] == [250, 500]
+    assert records[-1]["loss"] < records[0]["loss"] / 2
+    assert run.plot.stat().st_size > 10_000
+    assert run.checkpoints.steps() == [250, 500]
+    _, meta = load_checkpoint(run.checkpoints.latest())
+    assert meta["step"] == 500 and meta["config"]["train"]["lr"] == 0.001
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    _, straight = train(write_config(tmp_path, name="straight"))
+    path = write_config(tmp_path, name="split")
+    first, split = train(path, "train.steps=15")
+    assert first.step == 15
+    second, split = train(path, resume=True)
+    assert second.step == 40
+    a, b = final_tensors(straight), final_tensors(split)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    steps = [r["step"] for r in read_metrics(split.metrics)]
+    assert steps == sorted(set(steps)) and steps[-1] == 40
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
+    path = write_config(tmp_path, steps=5)
+    assert main(["train", str(path)]) == 0
+    assert main(["train", str(path)]) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert main(["train", str(path), "--overwrite"]) == 0
+    fresh = write_config(tmp_path, name="fresh")
+    assert main(["train", str(fresh), "--resume"]) == 2
+    assert "no checkpoint to resume from" in capsys.readouterr().err
+
+
+def test_corrupted_checkpoint_refused_on_resume(tmp_path, capsys):
+    path = write_config(tmp_path, steps=5)
+    assert main(["train", str(path)]) == 0
+    latest = RunDir(tmp_path / "runs" / "t").checkpoints.latest().with_suffix(".safetensors")
+    data = bytearray(latest.read_bytes())
+    data[-3] ^= 0x10
+    latest.write_bytes(bytes(data))
+    assert main(["train", str(path), "--resume", "--set", "train.steps=10"]) == 2
+    err = capsys.readouterr().err
+    assert "corrupted: SHA-256 differs" in err and "Traceback" not in err
+
+
+def test_divergence_is_a_clear_error(tmp_path, capsys):
+    path = write_config(tmp_path, optimizer="sgd", lr=1e12, steps=30)
+    assert main(["train", str(path)]) == 2
+    assert "training diverged" in capsys.readouterr().err
+
+
+def test_model_that_does_not_fit_data(tmp_path, capsys):
+    path = write_config(tmp_path, sizes=[700, 10])
+    assert main(["train", str(path), "--set", "model.dropout=0.0"]) == 2
+    assert "does not accept the data's examples of shape (1, 28, 28)" in capsys.readouterr().err
+
+
+def start(path: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "scaleout", "train", str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_checkpoint(run: RunDir, proc: subprocess.Popen, at_least: int) -> None:
+    deadline = time.monotonic() + 120
+    while not any(step >= at_least for step in run.checkpoints.steps()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+LONG = dict(num_train=4096, sizes=[784, 512, 10], steps=2000, checkpoint_every=50, eval_every=500)
+
+
+def test_sigkill_then_resume_continues_from_last_checkpoint(tmp_path):
+    path = write_config(tmp_path, **LONG)
+    run = RunDir(tmp_path / "runs" / "t")
+    proc = start(path)
+    try:
+        wait_for_checkpoint(run, proc, 100)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    killed_at = run.checkpoints.steps()[-1]
+    assert killed_at < 2000, "the run finished before it was killed"
+    done = subprocess.run(
+        [sys.executable, "-m", "scaleout", "train", str(path), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"resumed {run.path} at step {killed_at}" in done.stderr.replace("\n", " ")
+    steps = [r["step"] for r in read_metrics(run.metrics)]
+    assert steps == sorted(set(steps)) and steps[-1] == 2000
+    # The killed-and-resumed run ends exactly where an uninterrupted run ends.
+    _, reference = train(write_config(tmp_path, name="reference", **LONG))
+    a, b = final_tensors(run), final_tensors(reference)
+    for name in a:
+        if name.startswith(("model.", "optim.")):
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_ctrl_c_saves_a_valid_checkpoint(tmp_path):
+    path = write_config(tmp_path, **LONG)
+    run = RunDir(tmp_path / "runs" / "t")
+    proc = start(path)
+    try:
+        wait_for_checkpoint(run, proc, 50)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr
+    assert "interrupted at step" in stderr and "Traceback" not in stderr
+    tensors, meta = load_checkpoint(run.checkpoints.latest())
+    assert 50 <= meta["step"] < 2000
+    assert read_metrics(run.metrics)[-1]["step"] == meta["step"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_workers_give_the_same_run(tmp_path, workers):
+    path = write_config(tmp_path, name=f"w{workers}", steps=12)
+    _, run = train(path, f"loader.workers={workers}")
+    _, reference = train(write_config(tmp_path, name="ref", steps=12))
+    a, b = final_tensors(run), final_tensors(reference)
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("model."))
