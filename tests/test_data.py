@@ -204,7 +204,7 @@ def test_fashion_mnist():
 def test_load_image_idx_bad_args():
     with pytest.raises(ValueError, match="split"):
         load_image_idx("mnist", "valid", path=REPO_MNIST)
-    with pytest.raises(ValueError, match="data.name"):
+    with pytest.raises(ValueError, match="data.dataset"):
         load_image_idx("cifar", "train")
 
 
