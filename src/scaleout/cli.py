@@ -23,7 +23,8 @@ from rich.table import Table
 from scaleout import __version__
 from scaleout.errors import UserError
 
-out = Console(soft_wrap=True, highlight=False)
+# Tables keep their rows on one line in logs and pipes, where rich would assume 80 columns.
+out = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 EXIT_USER_ERROR = 2

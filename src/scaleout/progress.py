@@ -17,16 +17,19 @@ console = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
 class TrainingProgress:
-    """Steps done of total, with loss, accuracy and examples/s beside the bar."""
+    """Steps done of total, with loss, accuracy and examples/s beside the bar.
+
+    Where stderr is not a terminal (CI, a log file) the bar is drawn once at the end, so
+    `log` lines (one per evaluation) are printed there instead.
+    """
 
     def __init__(self, total: int, completed: int = 0, description: str = "train") -> None:
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=24),
+            BarColumn(bar_width=12),
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
-            TextColumn("eta"),
             TimeRemainingColumn(),
             console=console,
         )
@@ -37,8 +40,13 @@ class TrainingProgress:
 
     def update(self, completed: int, **fields: str) -> None:
         self.fields.update(fields)
-        status = "  ".join(f"{k} {v}" for k, v in self.fields.items())
+        status = " ".join(self.fields.values())
         self._progress.update(self._task, completed=completed, status=status)
+
+    def log(self, message: str) -> None:
+        """A line for logs; on a terminal the live bar already shows it."""
+        if not console.is_terminal:
+            console.print(message)
 
     def __enter__(self) -> TrainingProgress:
         self._progress.start()

@@ -86,6 +86,20 @@ def load_model_state(
         torch.cuda.set_rng_state(tensors["rng.cuda"])
 
 
+def show_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
+    """Loss, test accuracy and rate beside the bar, and a log line per evaluation."""
+    fields = {"loss": f"loss {record['loss']:.4f}"}
+    if "test_accuracy" in record:
+        fields["acc"] = f"acc {100 * record['test_accuracy']:.2f}%"
+    fields["rate"] = f"{record['examples_per_s'] / 1000:.1f}k ex/s"
+    progress.update(record["step"], **fields)
+    if "test_accuracy" in record:
+        progress.log(
+            f"step {record['step']}  {record['time_s']:.1f}s  {fields['loss']}  {fields['acc']}"
+            f"  test loss {record['test_loss']:.4f}  {fields['rate']}"
+        )
+
+
 def train_single(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
     """Train on one worker; log, evaluate and checkpoint as the config says."""
     train_cfg = config.train
@@ -193,11 +207,8 @@ def train_single(config: RunConfig, run: RunDir, resume: bool = False) -> TrainR
                         record["test_loss"], record["test_accuracy"] = evaluate(
                             model, test_set, train_cfg.eval_batch_size, device
                         )
-                        progress.update(step, acc=f"{100 * record['test_accuracy']:.2f}%")
                     log.log(record)
-                    progress.update(
-                        step, loss=f"{record['loss']:.4f}", ex_s=f"{record['examples_per_s']:,.0f}"
-                    )
+                    show_progress(progress, record)
                     window_loss.zero_()
                     window_correct.zero_()
                     window_examples, window_start, paused = 0, time.perf_counter(), 0.0
