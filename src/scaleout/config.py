@@ -165,7 +165,18 @@ class TrainSection(Section):
 
 
 class DownpourSection(Section):
-    """Downpour SGD on a sharded parameter server."""
+    """Downpour SGD on a sharded parameter server (DistBelief section 4.1)."""
+
+    num_replicas: PositiveInt = 2
+    num_shards: PositiveInt = 2
+    n_fetch: PositiveInt = 1  # steps between parameter fetches
+    n_push: PositiveInt = 1  # steps between gradient pushes
+    warmstart_steps: NonNegativeInt = 0  # one replica trains alone this long first
+    threads: bool = False  # fetch, compute and push in three weakly synchronised threads
+    max_restarts: NonNegativeInt = 3  # per replica; a shard is always restarted
+    shard_checkpoint_every: PositiveInt | None = 500  # shard updates between checkpoints
+    shard_checkpoint_seconds: PositiveFloat | None = 30.0  # or seconds, whichever first
+    address: str | None = None  # Ray cluster: "auto", "host:port"; None = embedded
 
 
 class SandblasterSection(Section):
@@ -180,8 +191,20 @@ class ModelParallelSection(Section):
     """Model parallelism over a grid of workers."""
 
 
+CodecName = Literal[
+    "fp32", "fp16", "bf16", "dynamic8", "dynamic8_bnb", "static8", "mantissa8", "linear8", "onebit"
+]
+
+
 class CompressSection(Section):
-    """Compression of messages."""
+    """Compression of every message (Dettmers 2015): see `scaleout.compress`."""
+
+    codec: CodecName = "fp32"
+    block_size: PositiveInt | None = None  # absmax per block of this many values; None: per tensor
+    refresh_every: PositiveInt = 1  # recompute the absmax every k calls (the paper: 50)
+    rounding: Literal["nearest", "paper"] = "nearest"
+    exponent_offset: int | None = None  # static8 / mantissa8; None: the codec's default
+    error_feedback: bool = False  # keep the quantisation residual and add it to the next message
 
 
 # --- the whole run -------------------------------------------------------------------------

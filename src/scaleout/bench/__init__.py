@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pkgutil
 import platform
 import time
 from collections.abc import Callable
@@ -56,8 +57,6 @@ class Suite:
 
 
 SUITES: dict[str, Suite] = {}
-# Modules that define suites, imported on first use so `scaleout --help` stays fast.
-SUITE_MODULES = ("scaleout.bench.single",)
 
 
 def register_suite(
@@ -72,8 +71,10 @@ def register_suite(
 
 
 def available_suites() -> dict[str, Suite]:
-    for module in SUITE_MODULES:
-        importlib.import_module(module)
+    """Every suite: each module of this package registers its own, imported on first use so
+    that `scaleout --help` stays fast."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
     return SUITES
 
 
