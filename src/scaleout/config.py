@@ -141,7 +141,7 @@ ModelSection = Annotated[MLPModel | SpeechDNNModel, Field(discriminator="kind")]
 
 # --- [train] -------------------------------------------------------------------------------
 
-Strategy = Literal["single"]
+Strategy = Literal["single", "downpour"]
 OptimizerName = Literal["sgd", "momentum", "adagrad", "rmsprop", "adam"]
 
 

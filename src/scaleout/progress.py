@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -13,7 +15,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-console = Console(stderr=True, soft_wrap=True, highlight=False)
+# Logs and pipes get 120 columns, where rich would assume 80 and cut the bar's fields.
+console = Console(
+    stderr=True, soft_wrap=True, highlight=False, width=None if sys.stderr.isatty() else 120
+)
 
 
 class TrainingProgress:

@@ -18,6 +18,15 @@ from scaleout.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+# Everything a run writes into its directory, relative to it: `--overwrite` deletes these.
+RUN_FILES = (
+    "metrics.jsonl",
+    "metrics.png",
+    "config.json",
+    "pushes.jsonl",
+    "checkpoints/step_*",
+    "shards/shard_*/step_*",
+)
 
 
 class RunDir:
@@ -50,12 +59,10 @@ class RunDir:
         return run
 
     def clear(self) -> None:
-        """Delete what a run writes here, and nothing else."""
-        for step in self.checkpoints.steps():
-            self.checkpoints.path(step).unlink(missing_ok=True)
-            self.checkpoints.path(step).with_suffix(".safetensors").unlink(missing_ok=True)
-        for path in (self.metrics, self.plot, self.config):
-            path.unlink(missing_ok=True)
+        """Delete what a run writes here (`RUN_FILES`), and nothing else."""
+        for pattern in RUN_FILES:
+            for path in self.path.glob(pattern):
+                path.unlink(missing_ok=True)
 
     def finish(self) -> dict[str, Any]:
         """Draw the plot from the metrics and return the run's summary."""

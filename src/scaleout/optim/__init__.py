@@ -13,6 +13,13 @@ from scaleout.rundir import RunDir
 
 Strategy = Callable[[RunConfig, RunDir, bool], TrainResult]
 
-STRATEGIES: dict[str, Strategy] = {"single": train_single}
 
-__all__ = ["STRATEGIES", "Strategy", "TrainResult", "evaluate", "train_single"]
+def train_downpour(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
+    from scaleout.optim.downpour import train_downpour as train  # imports Ray only when used
+
+    return train(config, run, resume)
+
+
+STRATEGIES: dict[str, Strategy] = {"single": train_single, "downpour": train_downpour}
+
+__all__ = ["STRATEGIES", "Strategy", "TrainResult", "evaluate", "train_downpour", "train_single"]

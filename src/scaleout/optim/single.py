@@ -88,15 +88,19 @@ def load_model_state(
 
 def show_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
     """Loss, test accuracy and rate beside the bar, and a log line per evaluation."""
-    fields = {"loss": f"loss {record['loss']:.4f}"}
+    fields = {}
+    if record.get("loss") is not None:
+        fields["loss"] = f"loss {record['loss']:.4f}"
     if "test_accuracy" in record:
         fields["acc"] = f"acc {100 * record['test_accuracy']:.2f}%"
-    fields["rate"] = f"{record['examples_per_s'] / 1000:.1f}k ex/s"
+    if record.get("examples_per_s") is not None:
+        fields["rate"] = f"{record['examples_per_s'] / 1000:.1f}k ex/s"
     progress.update(record["step"], **fields)
     if "test_accuracy" in record:
         progress.log(
-            f"step {record['step']}  {record['time_s']:.1f}s  {fields['loss']}  {fields['acc']}"
-            f"  test loss {record['test_loss']:.4f}  {fields['rate']}"
+            f"step {record['step']}  {record['time_s']:.1f}s  "
+            + "  ".join(fields.values())
+            + f"  test loss {record['test_loss']:.4f}"
         )
 
 

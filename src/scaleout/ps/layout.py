@@ -1,0 +1,78 @@
+"""A model's parameters as one flat vector, and its split into parameter-server shards.
+
+`FlatParameters` re-points every parameter (and its gradient) of a model at a slice of two
+contiguous buffers, so a fetch from the shards is a copy into `params` and a push is a slice
+of `grads` — no per-tensor flattening on the hot path. Autograd accumulates into the
+existing `.grad` views in place, so gradients of several steps add up in `grads` until they
+are pushed and zeroed.
+
+`shard_ranges` cuts the vector into S contiguous ranges of near-equal size; a parameter may
+span two shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def shard_ranges(num_values: int, num_shards: int) -> list[tuple[int, int]]:
+    """[start, stop) of each shard; sizes differ by at most one."""
+    if num_shards < 1:
+        raise ValueError(f"downpour.num_shards must be >= 1, got {num_shards}")
+    if num_shards > max(num_values, 1):
+        raise ValueError(
+            f"downpour.num_shards = {num_shards} exceeds the model's {num_values} parameters"
+        )
+    bounds = [num_values * i // num_shards for i in range(num_shards + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+class FlatParameters:
+    """Parameters and gradients of `model` as views into two flat buffers."""
+
+    def __init__(self, model: nn.Module) -> None:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        dtypes = {p.dtype for _, p in params}
+        devices = {p.device for _, p in params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(
+                f"a flat parameter vector needs one dtype and one device, got {dtypes} on {devices}"
+            )
+        (dtype,), (device,) = dtypes, devices
+        self.entries: list[Entry] = []
+        offset = 0
+        for name, p in params:
+            self.entries.append(Entry(name, tuple(p.shape), offset, p.numel()))
+            offset += p.numel()
+        self.numel = offset
+        self.params = torch.empty(offset, dtype=dtype, device=device)  # (P,)
+        self.grads = torch.zeros(offset, dtype=dtype, device=device)  # (P,)
+        for entry, (_, p) in zip(self.entries, params, strict=True):
+            view = self.params[entry.offset : entry.offset + entry.numel].view(entry.shape)
+            view.copy_(p.detach())
+            p.data = view
+            p.grad = self.grads[entry.offset : entry.offset + entry.numel].view(entry.shape)
+        self._params = [p for _, p in params]
+
+    def zero_grads(self) -> None:
+        """Zero the gradient buffer in place (the parameters keep their views)."""
+        self.grads.zero_()
+        storage = self.grads.untyped_storage().data_ptr()
+        for p in self._params:
+            assert p.grad is not None and p.grad.untyped_storage().data_ptr() == storage, (
+                "a gradient left the flat buffer: use zero_grads(), not model.zero_grad()"
+            )
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]

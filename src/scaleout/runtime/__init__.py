@@ -1,0 +1,76 @@
+"""Ray bring-up: an embedded local instance by default, a cluster when given an address.
+
+`connect()` with no address starts a new Ray instance inside this process's session, sized
+to the machine, with no dashboard and quiet logs (`ray.init(address="local")`: a plain
+`ray.init()` may attach to a stale cluster left by an earlier `ray start`). An address
+(`"auto"`, `"host:port"`) joins a running cluster; token authentication stays on there
+(`RAY_AUTH_MODE=token` unless the user chose otherwise; see the README). `session()` wraps
+either in a context manager that shuts down what it started on exit, on Ctrl-C and on
+errors, so no process outlives a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from scaleout.errors import UserError
+
+
+@dataclass
+class Runtime:
+    address: str | None  # None: embedded
+    started_here: bool
+    num_cpus: float
+    num_nodes: int
+
+
+def connect(address: str | None = None, num_cpus: int | None = None) -> Runtime:
+    """Start an embedded Ray instance (address None) or join a cluster."""
+    import ray
+
+    if ray.is_initialized():
+        resources = ray.cluster_resources()
+        return Runtime(address, False, resources.get("CPU", 0.0), len(ray.nodes()))
+    quiet = dict(
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=True,
+        configure_logging=True,
+    )
+    if address is None:
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), **quiet)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        try:
+            ray.init(address=address, **quiet)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(
+                f"cannot join the Ray cluster at {address!r}: {first}; check the address "
+                "(`ray status` on the head node prints it) and that RAY_AUTH_TOKEN or the "
+                "token file matches the cluster's, or leave the address unset to run embedded"
+            ) from None
+    resources = ray.cluster_resources()
+    return Runtime(address, True, resources.get("CPU", 0.0), len(ray.nodes()))
+
+
+def shutdown() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@contextmanager
+def session(address: str | None = None, num_cpus: int | None = None) -> Iterator[Runtime]:
+    """Connect for the duration of a block; shut down on exit only what this call started."""
+    runtime = connect(address, num_cpus)
+    try:
+        yield runtime
+    finally:
+        if runtime.started_here:
+            shutdown()
