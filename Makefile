@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEMO_CONFIG ?= configs/mnist_single.toml
+DEMO_CONFIG ?= configs/mnist_downpour.toml
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-all lint clean

@@ -244,3 +244,14 @@ def test_loader_workers_give_the_same_run(tmp_path, workers):
     _, reference = train(write_config(tmp_path, name="ref", steps=12))
     a, b = final_tensors(run), final_tensors(reference)
     assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("model."))
+
+
+def test_stops_at_target_accuracy(tmp_path):
+    path = write_config(tmp_path, steps=400, optimizer="adam", lr=0.001, eval_every=20)
+    result, run = train(path, "train.target_accuracy=0.8", "model.dropout=0.0")
+    evals = [r for r in read_metrics(run.metrics) if "test_accuracy" in r]
+    assert (
+        evals[-1]["test_accuracy"] >= 0.8 > max((r["test_accuracy"] for r in evals[:-1]), default=0)
+    )
+    assert result.step == evals[-1]["step"] < 400
+    assert run.checkpoints.steps()[-1] == result.step

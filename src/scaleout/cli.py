@@ -39,6 +39,8 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     if args.out is not None:
         config.run.out_dir = args.out
+    if args.address is not None:
+        config.run.address = args.address
     run = RunDir.prepare(config, resume=args.resume, overwrite=args.overwrite)
     err.print(f"[bold]{config.run.name}[/]: strategy {config.train.strategy}, writing {run.path}")
     result = STRATEGIES[config.train.strategy](config, run, args.resume)
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = verbs.add_parser("train", help="train a run from a TOML config")
     train.add_argument("config", type=Path, help="run config (TOML)")
     train.add_argument("--out", type=Path, help="parent directory of the run (run.out_dir)")
+    train.add_argument("--address", help="Ray cluster to join: auto or host:port (run.address)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     train.add_argument(
         "--overwrite", action="store_true", help="start again in a run directory that holds a run"

@@ -46,6 +46,7 @@ class RunSection(Section):
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")] = "auto"
     out_dir: Path = Path("runs")
     num_threads: PositiveInt | None = None  # torch intra-op threads; None: torch's default
+    address: str | None = None  # Ray cluster to join: "auto", "host:port"; None: embedded
 
 
 # --- [data] --------------------------------------------------------------------------------
@@ -136,7 +137,60 @@ class SpeechDNNModel(Section):
     num_classes: Annotated[int, Field(ge=2)] = 8192
 
 
-ModelSection = Annotated[MLPModel | SpeechDNNModel, Field(discriminator="kind")]
+Block = Annotated[list[PositiveInt], Field(min_length=3, max_length=3)]  # [height, width, depth]
+
+
+class SparseAutoencoderModel(Section):
+    """Le et al. 2012 / COTS HPC sparse autoencoder: stacks of untied block-local filter ->
+    L2 pooling -> local contrast normalisation, trained greedily (see scaleout.nn.autoencoder).
+
+    Every stack setting takes one value for all stacks or a list with one per stack.
+    Placement is "valid" for filters (fields at 0, step, 2*step, ... while they fit) and for
+    pooling unless pool_padding is set; LCN keeps the size. `train.steps` (or epochs) is per
+    stack.
+    """
+
+    kind: Literal["sparse_autoencoder"]
+    in_channels: PositiveInt = 3
+    in_size: PositiveInt = 200
+    num_stacks: PositiveInt = 3
+    field: PositiveInt | list[PositiveInt] = 20  # receptive field side, pixels
+    step: PositiveInt | list[PositiveInt] = 4  # between receptive fields, pixels
+    block: Block | list[Block] = Field(default_factory=lambda: [4, 4, 8])  # neurons per field
+    pool_size: PositiveInt | list[PositiveInt] = 5
+    pool_stride: PositiveInt | list[PositiveInt] = 1
+    pool_padding: NonNegativeInt | list[NonNegativeInt] = 0
+    lcn_size: PositiveInt | list[PositiveInt] = 5  # Gaussian window side (odd)
+    lcn_sigma: PositiveFloat | list[PositiveFloat] = 1.0
+    lcn_eps: PositiveFloat = 1e-2  # y = v / sqrt(lcn_eps + local variance)
+    sparsity_weight: NonNegativeFloat = 0.1  # lambda of eq. 1
+    eps: PositiveFloat = 1e-2  # sqrt(eps + pooled squares) in pooling and the sparsity term
+
+    @model_validator(mode="after")
+    def _one_value_per_stack(self) -> SparseAutoencoderModel:
+        for name in ("field", "step", "pool_size", "pool_stride", "pool_padding", "lcn_size"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != self.num_stacks:
+                raise ValueError(
+                    f"{name} has {len(value)} values for num_stacks = {self.num_stacks}: give "
+                    f"one value or {self.num_stacks}"
+                )
+        if isinstance(self.lcn_sigma, list) and len(self.lcn_sigma) != self.num_stacks:
+            raise ValueError(f"lcn_sigma needs one value or {self.num_stacks}")
+        if isinstance(self.block[0], list) and len(self.block) != self.num_stacks:
+            raise ValueError(
+                f"block has {len(self.block)} blocks for num_stacks = {self.num_stacks}: give "
+                f"one [height, width, depth] or {self.num_stacks}"
+            )
+        sizes = self.lcn_size if isinstance(self.lcn_size, list) else [self.lcn_size]
+        if any(size % 2 == 0 for size in sizes):
+            raise ValueError(f"lcn_size must be odd, got {self.lcn_size}")
+        return self
+
+
+ModelSection = Annotated[
+    MLPModel | SpeechDNNModel | SparseAutoencoderModel, Field(discriminator="kind")
+]
 
 
 # --- [train] -------------------------------------------------------------------------------
@@ -155,6 +209,7 @@ class TrainSection(Section):
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9  # "momentum"; rmsprop/adam ignore it
     weight_decay: NonNegativeFloat = 0.0
     eval_every: PositiveInt = 500  # steps between test evaluations (and one at the end)
+    target_accuracy: Annotated[float, Field(gt=0, le=1)] | None = None  # stop when reached
     eval_batch_size: PositiveInt = 1000
     log_every: PositiveInt = 50  # steps between metrics lines
     checkpoint_every: PositiveInt = 1000  # steps between checkpoints (and one at the end)
@@ -176,7 +231,6 @@ class DownpourSection(Section):
     max_restarts: NonNegativeInt = 3  # per replica; a shard is always restarted
     shard_checkpoint_every: PositiveInt | None = 500  # shard updates between checkpoints
     shard_checkpoint_seconds: PositiveFloat | None = 30.0  # or seconds, whichever first
-    address: str | None = None  # Ray cluster: "auto", "host:port"; None = embedded
 
 
 class SandblasterSection(Section):

@@ -34,7 +34,7 @@ from scaleout.errors import UserError
 from scaleout.interrupt import StopOnInterrupt
 from scaleout.metrics import MetricsLog, truncate_metrics
 from scaleout.optim.replica import DownpourReplica
-from scaleout.optim.single import TrainResult, evaluate, show_progress
+from scaleout.optim.single import TrainResult, evaluate, reached, show_progress
 from scaleout.progress import TrainingProgress, console
 from scaleout.ps.layout import FlatParameters
 from scaleout.ps.server import ParameterServer
@@ -83,6 +83,7 @@ class Downpour:
         self.replica_cpus = min(1.0, cpus / self.opts.num_replicas)
         self.replicas: list[Any] = [self._spawn(r) for r in range(self.opts.num_replicas)]
         self.alive = [True] * self.opts.num_replicas
+        ray.get([replica.pid.remote() for replica in self.replicas])  # built and data loaded
 
     # --- replicas --------------------------------------------------------------------------
 
@@ -117,8 +118,8 @@ class Downpour:
             }
         )
         console.print(
-            f"replica {replica_id} {kind} at step {self.step}"
-            + (", restarting it" if restart else ", not restarting (downpour.max_restarts)")
+            f"replica {replica_id} {kind} at step {self.step}: {message[:200]}"
+            + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
         )
         ray.kill(self.replicas[replica_id], no_restart=True)
         if restart:
@@ -201,7 +202,19 @@ class Downpour:
 
     # --- the loop ----------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """End this run's actors (on a shared cluster nothing else would)."""
+        for replica in self.replicas:
+            ray.kill(replica, no_restart=True)
+        self.server.kill()
+
     def train(self) -> TrainResult:
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def _train(self) -> TrainResult:
         cfg = self.config.train
         chunk = max(1, min(cfg.log_every, 20))
         self.start = time.perf_counter() - self.elapsed
@@ -268,6 +281,8 @@ class Downpour:
                     if self.step >= next_eval or done:
                         next_eval = (self.step // cfg.eval_every + 1) * cfg.eval_every
                         record["test_loss"], record["test_accuracy"] = self.evaluate()
+                        if reached(cfg.target_accuracy, record):
+                            self.total_steps = assigned = self.step  # hand out no more work
                     self._check_shards()
                     log.log(record)
                     show_progress(bar, record)
@@ -344,6 +359,6 @@ class _Window:
 
 
 def train_downpour(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
-    """Run Downpour SGD: embedded Ray by default, a cluster with `downpour.address`."""
-    with session(config.downpour.address):
+    """Run Downpour SGD: embedded Ray by default, a cluster with `run.address`."""
+    with session(config.run.address):
         return Downpour(config, run, resume).train()

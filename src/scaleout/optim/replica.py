@@ -44,7 +44,29 @@ def data_part(dataset: Any, part: int, num_parts: int) -> Any:  # noqa: ANN401
     if isinstance(dataset, ArrayDataset):
         y = None if dataset.y is None else dataset.y[indices]
         return ArrayDataset(dataset.x[indices], y, dataset.num_classes)
-    return torch.utils.data.Subset(dataset, indices.tolist())
+    return _Part(dataset, indices)
+
+
+class _Part(torch.utils.data.Dataset):
+    """A view of some examples of a dataset that keeps its batched fetch and collate."""
+
+    def __init__(self, dataset: Any, indices: torch.Tensor) -> None:  # noqa: ANN401
+        self.dataset, self.indices = dataset, indices.tolist()
+        self.num_classes = getattr(dataset, "num_classes", 0)
+        if hasattr(dataset, "__getitems__") and hasattr(dataset, "collate"):
+            self.collate = dataset.collate
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Any:  # noqa: ANN401
+        return self.dataset[self.indices[i]]
+
+    def __getitems__(self, indices: list[int]) -> Any:  # noqa: ANN401
+        picked = [self.indices[i] for i in indices]
+        if hasattr(self.dataset, "__getitems__"):
+            return self.dataset.__getitems__(picked)
+        return [self.dataset[i] for i in picked]
 
 
 class DownpourReplica:

@@ -86,6 +86,17 @@ def load_model_state(
         torch.cuda.set_rng_state(tensors["rng.cuda"])
 
 
+def reached(target: float | None, record: dict[str, Any]) -> bool:
+    """Whether an evaluation reached `train.target_accuracy` (the run then stops)."""
+    accuracy = record.get("test_accuracy")
+    if target is None or accuracy is None or accuracy < target:
+        return False
+    console.print(
+        f"test accuracy {100 * accuracy:.2f}% reached the target at step {record['step']}"
+    )
+    return True
+
+
 def show_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
     """Loss, test accuracy and rate beside the bar, and a log line per evaluation."""
     fields = {}
@@ -211,6 +222,8 @@ def train_single(config: RunConfig, run: RunDir, resume: bool = False) -> TrainR
                         record["test_loss"], record["test_accuracy"] = evaluate(
                             model, test_set, train_cfg.eval_batch_size, device
                         )
+                        if reached(train_cfg.target_accuracy, record):
+                            total_steps, last = step, True
                     log.log(record)
                     show_progress(progress, record)
                     window_loss.zero_()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> Runtime:
     """Start an embedded Ray instance (address None) or join a cluster."""
     import ray
 
+    if address is not None:
+        _check_reachable(address)
     if ray.is_initialized():
         resources = ray.cluster_resources()
         return Runtime(address, False, resources.get("CPU", 0.0), len(ray.nodes()))
@@ -56,6 +59,24 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> Runtime:
             ) from None
     resources = ray.cluster_resources()
     return Runtime(address, True, resources.get("CPU", 0.0), len(ray.nodes()))
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not minutes, when a `host:port` address does not answer (Ray itself
+    retries for minutes before it gives up)."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise UserError(f"Ray address {address!r}: expected host:port, 'auto' or ray://host:port")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise UserError(
+            f"cannot reach the Ray cluster at {address!r}: {err.strerror or err}; start it with "
+            "`ray start --head` there, check host and port, or leave the address unset to run "
+            "embedded"
+        ) from None
 
 
 def shutdown() -> None:

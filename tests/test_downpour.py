@@ -1,0 +1,209 @@
+"""Downpour SGD on Ray: training, records, warm start, killed replicas and shards, resume,
+and no process left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from scaleout.checkpoint import load_checkpoint
+from scaleout.config import load_config
+from scaleout.errors import UserError
+from scaleout.metrics import read_metrics
+from scaleout.optim.downpour import PUSHES_FILE, Downpour
+from scaleout.rundir import RunDir
+from scaleout.runtime import connect
+
+CONFIG = """
+[run]
+name = "{name}"
+seed = 0
+device = "cpu"
+num_threads = 1
+out_dir = "{out}"
+[data]
+dataset = "mnist"
+num_train = {num_train}
+num_test = 2000
+[model]
+kind = "mlp"
+sizes = {sizes}
+[train]
+strategy = "downpour"
+steps = {steps}
+batch_size = 64
+optimizer = "adagrad"
+lr = 0.05
+eval_every = {eval_every}
+log_every = 20
+checkpoint_every = {checkpoint_every}
+[downpour]
+num_replicas = {replicas}
+num_shards = 2
+n_fetch = 2
+n_push = 2
+warmstart_steps = {warmstart}
+shard_checkpoint_every = 20
+"""
+
+
+def write_config(tmp_path: Path, name: str = "dp", **fields) -> Path:
+    values = dict(
+        name=name,
+        out=tmp_path / "runs",
+        num_train=8192,
+        sizes=[784, 128, 10],
+        steps=400,
+        eval_every=200,
+        checkpoint_every=200,
+        replicas=2,
+        warmstart=40,
+    )
+    values.update(fields)
+    path = tmp_path / f"{name}.toml"
+    path.write_text(CONFIG.format(**values))
+    return path
+
+
+def driver(path: Path, *overrides: str, resume: bool = False) -> Downpour:
+    config = load_config(path, list(overrides))
+    return Downpour(config, RunDir.prepare(config, resume=resume, overwrite=not resume), resume)
+
+
+def kill_when(downpour: Downpour, step: int, pid_of) -> threading.Thread:
+    """SIGKILL the process `pid_of()` names once the driver has passed `step`."""
+
+    def watch():
+        while downpour.step < step:
+            time.sleep(0.05)
+        os.kill(pid_of(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_trains_records_staleness_and_warm_starts(ray_session, tmp_path):
+    downpour = driver(write_config(tmp_path))
+    result = downpour.train()
+    assert result.step == 400 and not result.interrupted
+    assert result.summary["final_test_accuracy"] > 0.9
+    assert result.summary["replica_failures"] == 0
+    records = read_metrics(downpour.run.metrics)
+    assert records[-1]["step"] == 400
+    for key in (
+        "time_s",
+        "step",
+        "examples",
+        "loss",
+        "lr",
+        "staleness_mean",
+        "staleness_max",
+        "bytes_sent",
+        "bytes_received",
+        "updates_per_s",
+        "replicas_alive",
+    ):
+        assert key in records[-1], key
+    pushes = read_metrics(downpour.run.path / PUSHES_FILE)
+    # one push per n_push = 2 steps of each replica
+    assert sum(1 for _ in pushes) == pytest.approx(400 / 2, abs=4)
+    assert {p["replica"] for p in pushes} == {0, 1}
+    assert all(p["replica"] == 0 for p in pushes if p["step"] < 40)  # warm start: replica 0 only
+    assert all(p["staleness"] >= 0 for p in pushes if p["staleness"] is not None)
+    assert any(p["staleness"] > 0 for p in pushes)  # two replicas do interleave
+    # every push carries one full gradient: 2 shards x (784*128+128 + 128*10+10) floats
+    assert {p["bytes_sent"] for p in pushes} == {4 * (784 * 128 + 128 + 128 * 10 + 10)}
+    tensors, meta = load_checkpoint(downpour.run.checkpoints.latest())
+    assert meta["step"] == 400 and "model.layers.fc1.weight" in tensors
+    assert len(list((downpour.run.path / "shards").glob("shard_*/step_*.json"))) >= 2
+
+
+def test_killed_replica_is_restarted_and_training_completes(ray_session, tmp_path):
+    downpour = driver(write_config(tmp_path, replicas=3, steps=600, warmstart=0))
+    import ray
+
+    kill_when(downpour, 150, lambda: ray.get(downpour.replicas[1].pid.remote()))
+    result = downpour.train()
+    assert result.step == 600
+    assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 1
+    assert result.summary["final_test_accuracy"] > 0.9
+    failure = load_checkpoint(downpour.run.checkpoints.latest())[1]["failures"][0]
+    assert failure["replica"] == 1 and failure["kind"] == "died" and failure["restarted"]
+
+
+def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
+    downpour = driver(write_config(tmp_path, steps=600))
+    kill_when(downpour, 200, lambda: downpour.server.info()[0]["pid"])
+    result = downpour.train()
+    assert result.step == 600
+    assert result.summary["shard_restarts"] == 1
+    assert 0 <= result.summary["shard_updates_lost"] <= 20  # shard_checkpoint_every
+    assert result.summary["final_test_accuracy"] > 0.9
+
+
+def test_replicas_that_keep_failing_stop_the_run(ray_session, tmp_path):
+    downpour = driver(write_config(tmp_path, replicas=1, warmstart=0), "downpour.max_restarts=0")
+    import ray
+
+    kill_when(downpour, 40, lambda: ray.get(downpour.replicas[0].pid.remote()))
+    with pytest.raises(UserError, match="every Downpour replica failed"):
+        downpour.train()
+
+
+def test_unreachable_cluster_is_a_clear_error():
+    with pytest.raises(UserError, match="cannot reach the Ray cluster at '127.0.0.1:9'"):
+        connect("127.0.0.1:9")
+
+
+def ray_pids() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return {
+        int(line.split()[0])
+        for line in out.splitlines()[1:]
+        if "ray::" in line or "raylet" in line or "gcs_server" in line
+    }
+
+
+def test_cli_interrupt_resume_and_no_process_left(tmp_path):
+    """The command as a user runs it: Ctrl-C, --resume, and nothing left running after."""
+    path = write_config(tmp_path, steps=800, checkpoint_every=100, eval_every=400)
+    before = ray_pids()
+    run = RunDir(tmp_path / "runs" / "dp")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaleout", "train", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not run.checkpoints.steps():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    stopped = load_checkpoint(run.checkpoints.latest())[1]["step"]
+    assert 100 <= stopped < 800
+    done = subprocess.run(
+        [sys.executable, "-m", "scaleout", "train", str(path), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"at step {stopped}" in done.stderr
+    steps = [r["step"] for r in read_metrics(run.metrics)]
+    assert steps == sorted(set(steps)) and steps[-1] == 800
+    time.sleep(1)
+    assert not (ray_pids() - before), "Ray processes outlived the run"

@@ -1,0 +1,153 @@
+"""Parameter server: sharded optimizers against torch.optim on the whole vector, flat
+parameter views, shard checkpoints, and shards restarted by Ray."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scaleout.config import TrainSection
+from scaleout.ps import FlatParameters, ParameterServer, ParameterShard, Wire, shard_ranges
+
+
+@given(num_values=st.integers(1, 10_000), num_shards=st.integers(1, 16))
+def test_shard_ranges_tile_the_vector(num_values, num_shards):
+    if num_shards > num_values:
+        with pytest.raises(ValueError, match="num_shards"):
+            shard_ranges(num_values, num_shards)
+        return
+    ranges = shard_ranges(num_values, num_shards)
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_values
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    sizes = [stop - start for start, stop in ranges]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def small_model():
+    torch.manual_seed(0)
+    # 5*3+3 + 3*4+4 = 34 values: shard borders for S = 2, 3 fall inside parameters.
+    return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 4))
+
+
+def test_flat_parameters_are_views_and_gradients_accumulate():
+    model = small_model()
+    reference = [p.detach().clone() for p in model.parameters()]
+    flat = FlatParameters(model)
+    assert flat.numel == 34
+    for p, r in zip(model.parameters(), reference, strict=True):
+        assert torch.equal(p, r)
+    flat.params.add_(1.0)  # writing the buffer changes the model
+    assert torch.equal(next(model.parameters()), reference[0] + 1)
+    x = torch.randn(8, 5)
+    model(x).sum().backward()
+    once = flat.grads.clone()
+    model(x).sum().backward()
+    torch.testing.assert_close(flat.grads, 2 * once)  # accumulated in place
+    flat.zero_grads()
+    assert flat.grads.abs().sum() == 0
+
+
+def make_shards(initial, num_shards, optimizer, **checkpoint):
+    train = TrainSection(optimizer=optimizer, lr=0.1, momentum=0.9).model_dump()
+    shards = []
+    for i, (start, stop) in enumerate(shard_ranges(initial.numel(), num_shards)):
+        shard = ParameterShard(i, stop - start, train, **checkpoint)
+        shard.initialize(initial[start:stop].numpy())
+        shards.append((shard, start, stop))
+    return shards
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "rmsprop", "adam"])
+def test_sharded_optimizer_equals_torch_optim_on_whole_vector(num_shards, optimizer):
+    initial = torch.randn(34, generator=torch.Generator().manual_seed(1))
+    whole = torch.nn.Parameter(initial.clone())
+    kinds = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+        "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.1),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.1),
+    }
+    reference = kinds[optimizer]([whole])
+    shards = make_shards(initial, num_shards, optimizer)
+    wire = Wire()
+    g = torch.Generator().manual_seed(2)
+    for step in range(7):
+        grad = torch.randn(34, generator=g)
+        whole.grad = grad.clone()
+        reference.step()
+        for shard, start, stop in shards:
+            version, staleness = shard.push(wire.encode(grad[start:stop]), base_version=step)
+            assert (version, staleness) == (step + 1, 0)
+    sharded = torch.cat([torch.as_tensor(shard.values()) for shard, _, _ in shards])
+    torch.testing.assert_close(sharded, whole.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_staleness_counts_updates_since_fetch():
+    ((shard, _, _),) = make_shards(torch.zeros(4), 1, "sgd")
+    wire = Wire()
+    _, fetched = shard.pull()
+    for _ in range(3):
+        shard.push(wire.encode(torch.ones(4)), base_version=fetched)
+    assert shard.push(wire.encode(torch.ones(4)), base_version=fetched) == (4, 3)
+
+
+def test_shard_checkpoint_restores_and_continues_identically(tmp_path):
+    initial = torch.randn(20, generator=torch.Generator().manual_seed(3))
+    grads = torch.randn(10, 20, generator=torch.Generator().manual_seed(4))
+    wire = Wire()
+    options = dict(checkpoint_dir=str(tmp_path / "s0"), checkpoint_every=4)
+    ((shard, _, _),) = make_shards(initial, 1, "adagrad", **options)
+    ((straight, _, _),) = make_shards(initial, 1, "adagrad")
+    for step in range(6):
+        shard.push(wire.encode(grads[step]), step)
+        straight.push(wire.encode(grads[step]), step)
+    # A new process for the same shard: it comes back at its last checkpoint (version 4) ...
+    ((restarted, _, _),) = make_shards(initial, 1, "adagrad", **options)
+    assert restarted.info()["restored_version"] == 4 and restarted.version == 4
+    # ... and replaying the updates it lost gives exactly the uninterrupted shard.
+    for step in range(4, 10):
+        restarted.push(wire.encode(grads[step]), step)
+        if step >= 6:
+            straight.push(wire.encode(grads[step]), step)
+    assert torch.equal(torch.as_tensor(restarted.values()), torch.as_tensor(straight.values()))
+
+
+def test_shard_refuses_wrong_gradient_size():
+    ((shard, _, _),) = make_shards(torch.zeros(4), 1, "sgd")
+    with pytest.raises(ValueError, match="holds 4 values"):
+        shard.push(Wire().encode(torch.ones(5)), 0)
+
+
+def test_server_on_ray_pull_push_and_shard_restart(ray_session, tmp_path):
+    initial = torch.arange(10, dtype=torch.float32)
+    server = ParameterServer.create(
+        initial,
+        3,
+        TrainSection(optimizer="sgd", lr=1.0).model_dump(),
+        checkpoint_root=tmp_path,
+        checkpoint_every=1,
+    )
+    try:
+        out = torch.empty(10)
+        versions, received = server.pull_into(out)
+        assert torch.equal(out, initial) and versions == [0, 0, 0] and received == 40
+        futures, sent = server.push(torch.ones(10), versions)
+        import ray
+
+        assert ray.get(futures) == [(1, 0)] * 3 and sent == 40
+        torch.testing.assert_close(server.values(), initial - 1)
+        # SIGKILL one shard: Ray restarts it and it resumes from its checkpoint.
+        pid = server.info()[1]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        infos = server.info()
+        assert infos[1]["pid"] != pid and infos[1]["restored_version"] == 1
+        torch.testing.assert_close(server.values(), initial - 1)
+    finally:
+        server.kill()
