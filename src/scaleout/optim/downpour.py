@@ -76,6 +76,7 @@ class Downpour:
             run.path / SHARD_DIR,
             self.opts.shard_checkpoint_every,
             self.opts.shard_checkpoint_seconds,
+            resource=self.opts.shard_resource,
         )
         self.shard_pids = {info["shard"]: info["pid"] for info in self.server.info()}
         self.shard_versions = {info["shard"]: info["version"] for info in self.server.info()}
@@ -83,13 +84,23 @@ class Downpour:
         self.replica_cpus = min(1.0, cpus / self.opts.num_replicas)
         self.replicas: list[Any] = [self._spawn(r) for r in range(self.opts.num_replicas)]
         self.alive = [True] * self.opts.num_replicas
-        ray.get([replica.pid.remote() for replica in self.replicas])  # built and data loaded
+        # Wait until every replica is built and has its data; say where everything runs.
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        nodes = [addresses[n] for n in ray.get([r.node.remote() for r in self.replicas])]
+        shard_nodes = [addresses[info["node"]] for info in self.server.info()]
+        if len(set(nodes + shard_nodes)) > 1:
+            console.print(f"shards on {shard_nodes}; replicas on {nodes}")
+        self.placement = {"shards": shard_nodes, "replicas": nodes}
 
     # --- replicas --------------------------------------------------------------------------
 
     def _spawn(self, replica_id: int) -> Any:  # noqa: ANN401
+        resource = self.opts.replica_resource
         actor = ray.remote(DownpourReplica).options(
-            num_cpus=self.replica_cpus, max_restarts=0, scheduling_strategy="SPREAD"
+            num_cpus=self.replica_cpus,
+            max_restarts=0,
+            scheduling_strategy="SPREAD",
+            resources={resource: 0.001} if resource else None,
         )
         return actor.remote(
             replica_id,
@@ -177,6 +188,7 @@ class Downpour:
             "failures": self.failures,
             "steps_lost": self.steps_lost,
             "shard_updates_lost": self.shard_updates_lost,
+            "placement": self.placement,
             "config": self.config.model_dump(mode="json"),
             "metrics": record,
         }

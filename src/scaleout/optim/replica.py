@@ -106,6 +106,10 @@ class DownpourReplica:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node this replica runs on (its ID)."""
+        return ray.get_runtime_context().get_node_id()
+
     def position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch": self.batch, "local_step": self.local_step}
 

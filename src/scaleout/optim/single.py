@@ -117,6 +117,10 @@ def show_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
 
 def train_single(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
     """Train on one worker; log, evaluate and checkpoint as the config says."""
+    if config.model.kind == "sparse_autoencoder":  # unsupervised, trained stack by stack
+        from scaleout.optim.greedy import train_greedy
+
+        return train_greedy(config, run, resume)
     train_cfg = config.train
     device = resolve_device(config.run.device)
     if config.run.num_threads:

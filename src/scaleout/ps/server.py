@@ -47,11 +47,18 @@ class ParameterServer:
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | None = None,
         max_restarts: int = 10,
+        resource: str | None = None,
     ) -> ParameterServer:
-        """Start `num_shards` shard actors holding `initial` (P,), or their checkpoints."""
+        """Start `num_shards` shard actors holding `initial` (P,), or their checkpoints.
+
+        With `resource`, shards run only on nodes that offer that custom Ray resource.
+        """
         ranges = shard_ranges(initial.numel(), num_shards)
         actor = ray.remote(ParameterShard).options(
-            num_cpus=0, max_restarts=max_restarts, scheduling_strategy="SPREAD"
+            num_cpus=0,
+            max_restarts=max_restarts,
+            scheduling_strategy="SPREAD",
+            resources={resource: 0.001} if resource else None,
         )
         shards = [
             actor.remote(

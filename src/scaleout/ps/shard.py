@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 from torch import nn
 
@@ -114,6 +115,7 @@ class ParameterShard:
         return {
             "shard": self.shard_id,
             "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
             "version": self.version,
             "numel": self.param.numel(),
             "restored_version": self.restored_version,
