@@ -165,6 +165,25 @@ class SparseAutoencoderModel(Section):
     lcn_eps: PositiveFloat = 1e-2  # y = v / sqrt(lcn_eps + local variance)
     sparsity_weight: NonNegativeFloat = 0.1  # lambda of eq. 1
     eps: PositiveFloat = 1e-2  # sqrt(eps + pooled squares) in pooling and the sparsity term
+    # alpha's step size relative to train.lr: alpha scales every code at once, so its
+    # curvature is far above any one filter's and a shared step size diverges or crawls
+    alpha_lr_scale: PositiveFloat = 0.01
+
+    @field_validator("block", mode="before")
+    @classmethod
+    def _block_shape(cls, value: Any) -> Any:  # noqa: ANN401
+        blocks = (
+            value if isinstance(value, list) and value and isinstance(value[0], list) else [value]
+        )
+        if not all(
+            isinstance(b, list) and len(b) == 3 and all(isinstance(v, int) and v >= 1 for v in b)
+            for b in blocks
+        ):
+            raise ValueError(
+                "block must be [height, width, depth] of positive integers, or a list of one "
+                "such block per stack"
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_value_per_stack(self) -> SparseAutoencoderModel:
@@ -185,7 +204,38 @@ class SparseAutoencoderModel(Section):
         sizes = self.lcn_size if isinstance(self.lcn_size, list) else [self.lcn_size]
         if any(size % 2 == 0 for size in sizes):
             raise ValueError(f"lcn_size must be odd, got {self.lcn_size}")
+        self._check_geometry()
         return self
+
+    def _per_stack(self, name: str) -> list[Any]:
+        value = getattr(self, name)
+        nested = isinstance(value, list) and (name != "block" or isinstance(value[0], list))
+        return list(value) if nested else [value] * self.num_stacks
+
+    def _check_geometry(self) -> None:
+        """Each stack's field and pooling window must fit the map it gets."""
+        per = {
+            name: self._per_stack(name)
+            for name in ("field", "step", "block", "pool_size", "pool_stride", "pool_padding")
+        }
+        size = self.in_size
+        for k in range(self.num_stacks):
+            field, step, block = per["field"][k], per["step"][k], per["block"][k]
+            pool, stride, pad = per["pool_size"][k], per["pool_stride"][k], per["pool_padding"][k]
+            if field > size:
+                raise ValueError(
+                    f"field = {field} does not fit the {size}x{size} input of stack {k + 1}; "
+                    "use a smaller field or a larger in_size"
+                )
+            out = ((size - field) // step + 1) * block[0]
+            if 2 * pad > pool:
+                raise ValueError(f"pool_padding = {pad} must be at most pool_size // 2")
+            if out + 2 * pad < pool:
+                raise ValueError(
+                    f"pool_size = {pool} does not fit the {out}x{out} filter output of stack "
+                    f"{k + 1}; use a smaller pool_size or larger blocks / in_size"
+                )
+            size = (out + 2 * pad - pool) // stride + 1
 
 
 ModelSection = Annotated[
@@ -231,6 +281,10 @@ class DownpourSection(Section):
     max_restarts: NonNegativeInt = 3  # per replica; a shard is always restarted
     shard_checkpoint_every: PositiveInt | None = 500  # shard updates between checkpoints
     shard_checkpoint_seconds: PositiveFloat | None = 30.0  # or seconds, whichever first
+    # Custom Ray resources that pin shards / replicas to the nodes that offer them (start
+    # those nodes with `ray start --resources '{"ps": 100}'`); None: anywhere, spread out.
+    shard_resource: str | None = None
+    replica_resource: str | None = None
 
 
 class SandblasterSection(Section):
