@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_CONFIG ?= configs/mnist_downpour.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-slow test-all lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -m slow $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/pytest $(PYTEST_ARGS)
