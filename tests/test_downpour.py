@@ -207,3 +207,14 @@ def test_cli_interrupt_resume_and_no_process_left(tmp_path):
     assert steps == sorted(set(steps)) and steps[-1] == 800
     time.sleep(1)
     assert not (ray_pids() - before), "Ray processes outlived the run"
+
+
+def test_three_thread_replicas_train(ray_session, tmp_path):
+    """Fetch, compute and push in three threads per replica (the paper's appendix)."""
+    # Pipelined replicas push gradients of staler parameters: a smaller step size.
+    downpour = driver(write_config(tmp_path, steps=800), "downpour.threads=true", "train.lr=0.02")
+    result = downpour.train()
+    assert result.step == 800 and result.summary["final_test_accuracy"] > 0.88
+    pushes = read_metrics(downpour.run.path / PUSHES_FILE)
+    assert len(pushes) == pytest.approx(800 / 2, abs=4)
+    assert all(p["staleness"] is not None and p["shards_lost"] == 0 for p in pushes)

@@ -237,12 +237,20 @@ def _ready(future: Any) -> bool:  # noqa: ANN401
 
 
 class _Pipeline:
-    """Fetch and push threads beside the compute thread (`downpour.threads = true`)."""
+    """Fetch and push threads beside the compute thread (`downpour.threads = true`).
+
+    Weak synchronisation: the compute thread adopts the newest fetched parameters when
+    there are any and never runs more than `2 * n_fetch` steps on the same ones (it waits
+    for the fetch thread then); the push thread is at most two pushes behind (a queue of
+    two). Without these bounds a fast compute thread runs on ever staler parameters.
+    """
 
     def __init__(self, replica: DownpourReplica) -> None:
         self.replica = replica
         self.fresh = torch.empty_like(replica.flat.params)
         self.fresh_versions: list[int] | None = None
+        self.fresh_ready = threading.Event()
+        self.steps_on_current = 0
         self.lock = threading.Lock()
         self.fetch_due = threading.Event()
         self.fetch_due.set()
@@ -259,19 +267,28 @@ class _Pipeline:
         self._wait_first_fetch()
 
     def _wait_first_fetch(self) -> None:
-        while self.fresh_versions is None and self.error is None:
-            time.sleep(0.001)
+        self._wait_fresh()
         self.adopt_fresh_parameters()
+
+    def _wait_fresh(self) -> None:
+        while not self.fresh_ready.wait(timeout=0.1):
+            if self.error is not None:
+                raise self.error
 
     def adopt_fresh_parameters(self) -> None:
         """Compute thread: take the newest fetched parameters, if any; ask for the next."""
         if self.error is not None:
             raise self.error
+        if self.steps_on_current >= 2 * self.replica.downpour.n_fetch:
+            self._wait_fresh()
         with self.lock:
             if self.fresh_versions is not None:
                 self.replica.flat.params.copy_(self.fresh)
                 self.replica.versions = self.fresh_versions
                 self.fresh_versions = None
+                self.fresh_ready.clear()
+                self.steps_on_current = 0
+        self.steps_on_current += 1
         self.steps_since_fetch += 1
         if self.steps_since_fetch >= self.replica.downpour.n_fetch:
             self.steps_since_fetch = 0
@@ -302,6 +319,7 @@ class _Pipeline:
                     self.fresh.copy_(buffer)
                     self.fresh_versions = versions
                     self.replica._received += received
+                    self.fresh_ready.set()
         except BaseException as err:  # surfaced in the compute thread
             self.error = err
 
