@@ -20,6 +20,23 @@ def train_downpour(config: RunConfig, run: RunDir, resume: bool = False) -> Trai
     return train(config, run, resume)
 
 
-STRATEGIES: dict[str, Strategy] = {"single": train_single, "downpour": train_downpour}
+def train_sandblaster(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
+    from scaleout.optim.sandblaster import train_sandblaster as train
+
+    return train(config, run, resume)
+
+
+def train_sync(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
+    from scaleout.parallel.data_parallel import train_sync as train  # imports Ray when used
+
+    return train(config, run, resume)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "single": train_single,
+    "sync": train_sync,
+    "downpour": train_downpour,
+    "sandblaster": train_sandblaster,
+}
 
 __all__ = ["STRATEGIES", "Strategy", "TrainResult", "evaluate", "train_downpour", "train_single"]

@@ -115,7 +115,7 @@ class Downpour:
         if isinstance(error, RayTaskError) and isinstance(cause, UserError):
             raise UserError(str(cause)) from None
         kind = "died" if isinstance(error, RayActorError) else "raised"
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        message = _describe(error)
         self.steps_lost += steps
         restart = self.restarts[replica_id] < self.opts.max_restarts
         self.failures.append(
@@ -374,3 +374,12 @@ def train_downpour(config: RunConfig, run: RunDir, resume: bool = False) -> Trai
     """Run Downpour SGD: embedded Ray by default, a cluster with `run.address`."""
     with session(config.run.address):
         return Downpour(config, run, resume).train()
+
+
+def _describe(error: BaseException) -> str:
+    """One line: the replica's own exception for a task error, else Ray's first line."""
+    cause = getattr(error, "cause", None)
+    if isinstance(error, RayTaskError) and cause is not None:
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

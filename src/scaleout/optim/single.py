@@ -49,8 +49,9 @@ def evaluate(
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
     loader = make_loader(dataset, batch_size, shuffle=False, pin_memory=device.type == "cuda")
+    dtype = next(model.parameters()).dtype  # e.g. float64 for Sandblaster's convex runs
     for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = x.to(device, dtype, non_blocking=True), y.to(device, non_blocking=True)
         logits = model(x)  # (N, num_classes)
         loss_sum += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(dim=1) == y).sum()
