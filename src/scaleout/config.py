@@ -93,14 +93,44 @@ class PatchData(Section):
     images: list[str] | None = None  # default: every bundled photo
 
 
+class ImagePreprocessing(Section):
+    """Krizhevsky et al.'s preprocessing, done by the loader: resize, subtract the mean
+    image, random crop and horizontal flip (training split; the test split is centre-cropped)."""
+
+    image_size: PositiveInt | None = None  # resize images to this side first; None: as stored
+    crop: PositiveInt | None = None  # random crop side (227 of 256 in AlexNet); None: no crop
+    flip: bool = True  # random horizontal flip of training images
+    mean_image: bool = True  # subtract the per-pixel mean of (up to 1000) training images
+    num_train: PositiveInt | None = None
+    num_test: PositiveInt | None = None
+
+
+class ImageFolderData(ImagePreprocessing):
+    """JPEG / PNG files in `path/train/<class>/*` and `path/test/<class>/*` (ImageFolder)."""
+
+    dataset: Literal["image_folder"]
+    path: Path
+
+
+class NpyData(ImagePreprocessing):
+    """Images in .npy files: `path/{x,y}_{train,test}.npy`, x (N, H, W, C) uint8 or
+    (N, C, H, W) float, read memory-mapped."""
+
+    dataset: Literal["npy"]
+    path: Path
+
+
 DataSection = Annotated[
-    ImageIdxData | NpzData | SyntheticData | PatchData, Field(discriminator="dataset")
+    ImageIdxData | NpzData | SyntheticData | PatchData | ImageFolderData | NpyData,
+    Field(discriminator="dataset"),
 ]
 
 
 class LoaderSection(Section):
     workers: NonNegativeInt = 0  # 0: load in the training process
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pin when training on CUDA
+    prefetch_factor: PositiveInt = 2  # batches each loader process prepares ahead
+    device_prefetch: bool = True  # copy batch k+1 to the device (non-blocking) while k trains
 
 
 # --- [model] -------------------------------------------------------------------------------
@@ -167,7 +197,7 @@ class SparseAutoencoderModel(Section):
     eps: PositiveFloat = 1e-2  # sqrt(eps + pooled squares) in pooling and the sparsity term
     # alpha's step size relative to train.lr: alpha scales every code at once, so its
     # curvature is far above any one filter's and a shared step size diverges or crawls
-    alpha_lr_scale: PositiveFloat = 0.01
+    alpha_lr_scale: PositiveFloat = 1e-4
 
     @field_validator("block", mode="before")
     @classmethod
@@ -238,14 +268,28 @@ class SparseAutoencoderModel(Section):
             size = (out + 2 * pad - pool) // stride + 1
 
 
+class AlexNetModel(Section):
+    """AlexNet (Krizhevsky et al. 2012; Ding et al. 2015): 5 conv, 3 max-pool, 2 fully
+    connected with dropout, softmax. "alexnet": 227x227x3 in, ~61M parameters;
+    "alexnet_small": the same shape scaled for a CPU (64x64 in, width 1/4)."""
+
+    kind: Literal["alexnet", "alexnet_small"]
+    num_classes: Annotated[int, Field(ge=2)] = 1000
+    width: PositiveFloat = 1.0  # multiplies every layer's width
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.5
+    groups: PositiveInt = 2  # conv2, conv4, conv5 split in two towers as in the paper
+    lrn: bool = True  # local response normalisation after conv1 and conv2
+
+
 ModelSection = Annotated[
-    MLPModel | SpeechDNNModel | SparseAutoencoderModel, Field(discriminator="kind")
+    MLPModel | SpeechDNNModel | SparseAutoencoderModel | AlexNetModel,
+    Field(discriminator="kind"),
 ]
 
 
 # --- [train] -------------------------------------------------------------------------------
 
-Strategy = Literal["single", "downpour"]
+Strategy = Literal["single", "downpour", "sync", "sandblaster"]
 OptimizerName = Literal["sgd", "momentum", "adagrad", "rmsprop", "adam"]
 
 
@@ -288,11 +332,40 @@ class DownpourSection(Section):
 
 
 class SandblasterSection(Section):
-    """Sandblaster L-BFGS."""
+    """Sandblaster L-BFGS (DistBelief section 4.2): a coordinator that holds no parameters."""
+
+    num_replicas: PositiveInt = 2
+    num_shards: PositiveInt = 2
+    history: PositiveInt = 10  # L-BFGS memory m: (s, y) pairs kept on the shards
+    portion_size: PositiveInt = 1000  # examples per portion handed to a replica
+    batch_size: PositiveInt | None = None  # examples per L-BFGS batch; None: the training set
+    push_every: PositiveInt = 4  # accepted portions a replica sums before pushing to shards
+    backup_tasks: bool = True  # near a batch's end, idle replicas redo outstanding portions
+    max_iterations: PositiveInt = 100
+    tolerance_grad: NonNegativeFloat = 1e-5  # stop when max |g_i| falls below
+    tolerance_change: NonNegativeFloat = 1e-9  # stop when the objective changes less (relative)
+    max_line_search: PositiveInt = 20  # objective evaluations per line search
+    l2: NonNegativeFloat = 0.0  # objective + l2 * ||weights||^2 (biases are not penalised)
+    dtype: Literal["float32", "float64"] = "float32"  # replicas' arithmetic; shards use float64
+    max_restarts: NonNegativeInt = 3  # per replica
+    straggler_replica: NonNegativeInt | None = None  # benchmarks: slow this replica down ...
+    straggler_factor: Annotated[float, Field(ge=1)] = 4.0  # ... by this factor
 
 
 class SyncSection(Section):
-    """Synchronous data parallelism."""
+    """Synchronous data parallelism (Ding et al. 2015): `num_workers` workers in lock step.
+
+    `train.batch_size` is the effective (global) batch: each worker gets an equal slice of
+    it. `allreduce`: PyTorch DDP averages gradients every step (with `[compress] codec` as
+    its communication hook). `average`: every worker steps on its own slice, then weights
+    and optimizer state (momentum) are averaged every `average_every` steps (1: the paper).
+    """
+
+    num_workers: PositiveInt = 2
+    mode: Literal["allreduce", "average"] = "allreduce"
+    average_every: PositiveInt = 1
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
+    timeout_s: PositiveFloat = 300.0  # a collective waiting longer than this fails
 
 
 class ModelParallelSection(Section):
@@ -413,6 +486,10 @@ def check_data_paths(config: RunConfig, source: str) -> None:
                 f"data.path {data.path} is not a file; point data.path at a .npz holding "
                 "x_train, y_train, x_test, y_test"
             )
+        elif isinstance(data, ImageFolderData | NpyData):
+            from scaleout.data.images import check_image_data
+
+            check_image_data(data.dataset, data.path)
     except DataError as err:
         raise ConfigError(f"{source}: {err}") from None
 
