@@ -39,7 +39,7 @@ from scaleout.progress import TrainingProgress, console
 from scaleout.ps.layout import FlatParameters
 from scaleout.ps.server import ParameterServer
 from scaleout.rundir import RunDir
-from scaleout.runtime import session
+from scaleout.runtime import describe_failure, session
 
 PUSHES_FILE = "pushes.jsonl"
 SHARD_DIR = "shards"
@@ -111,11 +111,8 @@ class Downpour:
         )
 
     def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
-        cause = getattr(error, "cause", None)
-        if isinstance(error, RayTaskError) and isinstance(cause, UserError):
-            raise UserError(str(cause)) from None
         kind = "died" if isinstance(error, RayActorError) else "raised"
-        message = _describe(error)
+        message = describe_failure(error)  # a user error in a replica stops the run
         self.steps_lost += steps
         restart = self.restarts[replica_id] < self.opts.max_restarts
         self.failures.append(
@@ -374,12 +371,3 @@ def train_downpour(config: RunConfig, run: RunDir, resume: bool = False) -> Trai
     """Run Downpour SGD: embedded Ray by default, a cluster with `run.address`."""
     with session(config.run.address):
         return Downpour(config, run, resume).train()
-
-
-def _describe(error: BaseException) -> str:
-    """One line: the replica's own exception for a task error, else Ray's first line."""
-    cause = getattr(error, "cause", None)
-    if isinstance(error, RayTaskError) and cause is not None:
-        return f"{type(cause).__name__}: {cause}".splitlines()[0]
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -37,7 +37,7 @@ from scaleout.progress import TrainingProgress, console
 from scaleout.ps.layout import FlatParameters, shard_ranges
 from scaleout.ps.vectors import VectorShard
 from scaleout.rundir import RunDir
-from scaleout.runtime import session
+from scaleout.runtime import describe_failure, session
 
 SHARD_DIR = "shards"
 
@@ -150,10 +150,7 @@ class Sandblaster:
         return f"{replica_id}.{self.incarnations[replica_id]}"
 
     def _replica_failed(self, replica_id: int, error: BaseException) -> None:
-        cause = getattr(error, "cause", None)
-        if isinstance(error, RayTaskError) and isinstance(cause, UserError):
-            raise UserError(str(cause)) from None
-        message = _describe(error)
+        message = describe_failure(error)  # a user error in a replica stops the run
         restarts = self.incarnations[replica_id]
         self.failures.append(
             {
@@ -388,12 +385,3 @@ class Sandblaster:
 def train_sandblaster(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
     with session(config.run.address):
         return Sandblaster(config, run, resume).train()
-
-
-def _describe(error: BaseException) -> str:
-    """One line: the replica's own exception for a task error, else Ray's first line."""
-    cause = getattr(error, "cause", None)
-    if isinstance(error, RayTaskError) and cause is not None:
-        return f"{type(cause).__name__}: {cause}".splitlines()[0]
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

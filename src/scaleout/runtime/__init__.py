@@ -79,6 +79,23 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+def describe_failure(error: BaseException) -> str:
+    """One line for a failed actor call: the actor's own exception, or Ray's first line.
+
+    A `UserError` raised inside an actor (a diverging loss, bad data) is re-raised here: no
+    restart can fix it, so the run stops with the user's message.
+    """
+    from ray.exceptions import RayTaskError
+
+    cause = getattr(error, "cause", None)
+    if isinstance(error, RayTaskError) and isinstance(cause, UserError):
+        raise UserError(str(cause)) from None
+    if isinstance(error, RayTaskError) and cause is not None:
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def shutdown() -> None:
     import ray
 
