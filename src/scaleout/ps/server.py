@@ -34,7 +34,8 @@ class ParameterServer:
         self.shards = shards
         self.ranges = ranges
         self.compress = compress
-        self.wire = Wire(compress)
+        self.wire = Wire(compress)  # pushes (gradients), as configured
+        self.pull_wire = Wire()  # pulls (parameters) in fp32
 
     @classmethod
     def create(
@@ -92,7 +93,7 @@ class ParameterServer:
         results = _get_with_retry(lambda i: self.shards[i].pull.remote(), len(self.shards))
         versions, received = [], 0
         for (start, stop), (payload, version) in zip(self.ranges, results, strict=True):
-            out[start:stop].copy_(self.wire.decode(payload))
+            out[start:stop].copy_(self.pull_wire.decode(payload))
             versions.append(version)
             received += Wire.nbytes(payload)
         return versions, received
@@ -103,7 +104,7 @@ class ParameterServer:
         for shard, (start, stop), version in zip(
             self.shards, self.ranges, base_versions, strict=True
         ):
-            payload = self.wire.encode(grads[start:stop])
+            payload = self.wire.encode(grads[start:stop], key=len(futures))  # key: the shard
             futures.append(shard.push.remote(payload, version))
             sent += Wire.nbytes(payload)
         return futures, sent

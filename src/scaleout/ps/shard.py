@@ -53,7 +53,8 @@ class ParameterShard:
     ) -> None:
         torch.set_num_threads(1)
         self.shard_id = shard_id
-        self.wire = Wire(compress)
+        self.wire = Wire(compress)  # gradients arrive compressed as configured
+        self.pull_wire = Wire()  # parameters leave in fp32: 8 bits would drop small updates
         self.param = nn.Parameter(torch.zeros(numel))  # (n,) set by initialize() or a checkpoint
         self.param.grad = torch.zeros_like(self.param)
         self.optimizer = build_optimizer([self.param], TrainSection.model_validate(train))
@@ -86,7 +87,7 @@ class ParameterShard:
 
     def pull(self) -> tuple[Payload, int]:
         """The current slice and its version."""
-        payload = self.wire.encode(self.param.detach())
+        payload = self.pull_wire.encode(self.param.detach())
         self.stats["pulls"] += 1
         self.stats["bytes_out"] += Wire.nbytes(payload)
         return payload, self.version

@@ -2,7 +2,9 @@
 
 fp32 slices travel as numpy arrays, which Ray moves through its shared-memory object store
 without pickling the data (a reader on the same node maps it, zero-copy). With a codec from
-`scaleout.compress` (the `[compress]` section), a slice travels as the codec's bytes.
+`scaleout.compress` (the `[compress]` section), a slice travels as the codec's bytes (with
+its header and CRC), and with `error_feedback` each sender keeps the residual per key (one
+per shard), so what 8 bits cannot carry now is sent later.
 """
 
 from __future__ import annotations
@@ -22,22 +24,18 @@ class Wire:
     def __init__(self, compress: dict[str, Any] | None = None) -> None:
         self.compress = dict(compress or {})
         self.codec_name = self.compress.get("codec", "fp32")
-        self._codec = None
-        if self.codec_name != "fp32":
-            from scaleout.compress import get  # the codec room; absent codecs fail here
+        self._codec: Any = None
+        if self.codec_name != "fp32" or self.compress.get("error_feedback"):
+            from scaleout.compress import from_config
+            from scaleout.config import CompressSection
 
-            options = {
-                k: v
-                for k, v in self.compress.items()
-                if k in ("block_size", "refresh_every", "rounding", "exponent_offset")
-                and v is not None
-            }
-            self._codec = get(self.codec_name, **options)
+            self._codec = from_config(CompressSection.model_validate(self.compress))
 
-    def encode(self, values: torch.Tensor) -> Payload:
+    def encode(self, values: torch.Tensor, key: int | str | None = None) -> Payload:
+        """Encode a slice; `key` names the stream whose residual error feedback keeps."""
         if self._codec is None:
             return values.detach().to("cpu", torch.float32).numpy()
-        return self._codec.encode(values.detach()).to_bytes()
+        return self._codec.encode(values.detach(), key).to_bytes()
 
     def decode(self, payload: Payload) -> torch.Tensor:
         """A float32 CPU tensor; read-only when it maps Ray's object store (copy to change)."""
