@@ -14,7 +14,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from scaleout.config import (
+    ImageFolderData,
     ImageIdxData,
+    NpyData,
     NpzData,
     PatchData,
     RunConfig,
@@ -67,14 +69,33 @@ def build_datasets(config: RunConfig) -> tuple[Dataset, Dataset]:
         size, channels = spec.patch_size, spec.channels
         train = sets.natural_image_patches(size, spec.num_train, images, seed, channels)
         test = sets.natural_image_patches(size, spec.num_test, images, seed + 1, channels)
+    elif isinstance(spec, ImageFolderData | NpyData):
+        from scaleout.data.images import ImageFolderDataset, NpyDataset
+
+        options = dict(image_size=spec.image_size, crop=spec.crop, flip=spec.flip, seed=seed)
+        if isinstance(spec, ImageFolderData):
+            train = ImageFolderDataset(spec.path, "train", mean_image=spec.mean_image, **options)
+            test = ImageFolderDataset(
+                spec.path, "test", classes=train.classes, mean_image=_mean(train), **options
+            )
+        else:
+            train = NpyDataset(spec.path, "train", mean_image=spec.mean_image, **options)
+            test = NpyDataset(spec.path, "test", mean_image=_mean(train), **options)
+            test.num_classes = train.num_classes = max(train.num_classes, test.num_classes)
     else:  # pragma: no cover - the config's union is exhaustive
         raise AssertionError(f"unhandled data spec {spec!r}")
-    if isinstance(spec, ImageIdxData | NpzData):
+    if isinstance(spec, ImageIdxData | NpzData | ImageFolderData | NpyData):
         if spec.num_train is not None:
             train = train.subset(spec.num_train)
         if spec.num_test is not None:
             test = test.subset(spec.num_test)
     return train, test
+
+
+def _mean(train: Dataset) -> torch.Tensor | bool:
+    """The training set's mean image for the test set (False: no mean subtraction)."""
+    mean = getattr(train, "mean", None)
+    return mean if mean is not None else False
 
 
 def build_model_for(config: RunConfig, train: Dataset) -> nn.Module:

@@ -58,7 +58,9 @@ class ShuffledBatchSampler(Sampler[list[int]]):
     """Yields lists of indices: batch `start_batch`, `start_batch + 1`, ... of one epoch.
 
     The epoch's order depends on (seed, epoch) alone, so `start_batch=b` yields exactly the
-    tail of the sequence an uninterrupted run produces.
+    tail of the sequence an uninterrupted run produces. With `num_parts > 1` it yields only
+    slice `part` of each (global) batch: data-parallel workers together see exactly the
+    batches one worker would.
     """
 
     def __init__(
@@ -70,7 +72,11 @@ class ShuffledBatchSampler(Sampler[list[int]]):
         start_batch: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
+        part: int = 0,
+        num_parts: int = 1,
     ) -> None:
+        if not 0 <= part < num_parts:
+            raise ValueError(f"part must be in [0, num_parts = {num_parts}), got {part}")
         if num_examples < 0:
             raise ValueError(f"num_examples must be >= 0, got {num_examples}")
         total = num_batches(num_examples, batch_size, drop_last)
@@ -86,6 +92,7 @@ class ShuffledBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.total_batches = total
+        self.part, self.num_parts = part, num_parts
 
     def order(self) -> torch.Tensor:
         """The full index order of this epoch, (num_examples,) int64."""
@@ -97,7 +104,10 @@ class ShuffledBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order()
         for b in range(self.start_batch, self.total_batches):
-            yield order[b * self.batch_size : (b + 1) * self.batch_size].tolist()
+            batch = order[b * self.batch_size : (b + 1) * self.batch_size]
+            if self.num_parts > 1:  # this worker's slice of the global batch
+                batch = torch.tensor_split(batch, self.num_parts)[self.part]
+            yield batch.tolist()
 
     def __len__(self) -> int:
         return self.total_batches - self.start_batch
@@ -122,11 +132,18 @@ def make_loader(
     workers: int = 0,
     pin_memory: bool = False,
     drop_last: bool = False,
+    prefetch_factor: int = 2,
+    part: int = 0,
+    num_parts: int = 1,
 ) -> DataLoader:
     """A DataLoader over one epoch (from `start_batch` on) with a deterministic order.
 
     Datasets with `__getitems__` and `collate` (ArrayDataset, SyntheticDataset) build a
     whole batch by one tensor index, which is much faster than collating single examples.
+    `workers > 0` prepares batches in that many processes, `prefetch_factor` batches each
+    ahead, handed over in shared memory (see `scaleout.data.prefetch`). `part` of
+    `num_parts`: this data-parallel worker's slice of every batch. A dataset with
+    `set_epoch` is told the epoch first (its random crops and flips depend on it).
     """
     if batch_size < 1:
         raise ValueError(f"train.batch_size must be >= 1, got {batch_size}")
@@ -140,7 +157,11 @@ def make_loader(
         start_batch=start_batch,
         shuffle=shuffle,
         drop_last=drop_last,
+        part=part,
+        num_parts=num_parts,
     )
+    if hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(epoch)
     has_batched = hasattr(dataset, "__getitems__") and hasattr(dataset, "collate")
     collate = dataset.collate if has_batched else default_collate  # type: ignore[attr-defined]
     extra: dict[str, Any] = {}
@@ -148,7 +169,7 @@ def make_loader(
         extra = {
             "worker_init_fn": functools.partial(_seed_worker, seed, epoch),
             "persistent_workers": False,
-            "prefetch_factor": 2,
+            "prefetch_factor": prefetch_factor,
         }
     # DataLoader draws a base seed per iterator; from its own generator, not the global RNG,
     # so creating a loader mid-epoch on resume leaves the model's dropout stream unchanged.

@@ -1,0 +1,19 @@
+"""Group bring-up: torch.distributed process groups from torchrun variables or Ray actors."""
+
+from scaleout.comm.group import (
+    GroupMember,
+    ProcessGroup,
+    default_backend,
+    destroy_distributed,
+    free_port,
+    init_distributed,
+)
+
+__all__ = [
+    "GroupMember",
+    "ProcessGroup",
+    "default_backend",
+    "destroy_distributed",
+    "free_port",
+    "init_distributed",
+]

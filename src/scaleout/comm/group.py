@@ -1,0 +1,228 @@
+"""torch.distributed process groups: from environment variables, or out of Ray actors.
+
+`init_distributed()` reads the standard RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+variables (LOCAL_RANK too), so code written against it runs unchanged under `torchrun` and
+inside our Ray actors. The backend follows the device: NCCL when the process trains on a
+CUDA device, gloo otherwise.
+
+`ProcessGroup.create(actor_class, num_workers, ...)` brings up a group of Ray actors:
+
+1. a placement group reserves one bundle per rank (PACK: on as few nodes as possible, so
+   collectives stay on fast local links), and rank r's actor is placed in bundle r;
+2. rank 0 binds port 0 on its own node to get a free port and reports its address;
+3. every actor's `join_group(rank, world, address, port)` sets the variables above and
+   calls `init_distributed` (all at once: the rendezvous waits for the whole world).
+
+Afterwards the actors can run any torch.distributed collective. `close()` destroys the
+process groups, kills the actors and removes the placement group; call it in `finally`.
+Actor classes mix in `GroupMember` for the methods the bring-up calls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "GroupMember",
+    "ProcessGroup",
+    "default_backend",
+    "destroy_distributed",
+    "free_port",
+    "init_distributed",
+]
+
+
+def default_backend(device: torch.device | str | None = None) -> str:
+    """NCCL for CUDA devices (when built with it), gloo for everything else."""
+    kind = torch.device(device).type if device is not None else "cpu"
+    return "nccl" if kind == "cuda" and dist.is_nccl_available() else "gloo"
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that was free a moment ago (bind port 0, read it back, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def init_distributed(
+    backend: str = "auto",
+    device: torch.device | str | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[int, int]:
+    """Join the default process group described by RANK / WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT; return (rank, world size). `backend` "auto": see `default_backend`."""
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing:
+        raise ValueError(
+            f"init_distributed: environment variable(s) {', '.join(missing)} not set; run "
+            "under torchrun or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+        )
+    if backend == "auto":
+        backend = default_backend(device)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not dist.is_initialized():
+        options: dict[str, Any] = {}
+        if backend == "nccl" and device is not None:
+            chosen = torch.device(device)
+            if chosen.index is None:  # Ray / torchrun made the worker's GPU the current one
+                chosen = torch.device("cuda", torch.cuda.current_device())
+            options["device_id"] = chosen
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **options,
+        )
+    return rank, world
+
+
+def destroy_distributed() -> None:
+    """Leave the default process group, if this process is in one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class GroupMember:
+    """Mixin for Ray actor classes that form a process group with `ProcessGroup.create`."""
+
+    def group_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it (asked of rank 0 only)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port()
+
+    def join_group(
+        self,
+        rank: int,
+        world: int,
+        address: str,
+        port: int,
+        backend: str = "auto",
+        device: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> int:
+        """Set the torchrun variables and join the group; returns this process's id."""
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR=address,
+            MASTER_PORT=str(port),
+        )
+        init_distributed(backend, device, timeout_s)
+        return os.getpid()
+
+    def leave_group(self) -> None:
+        destroy_distributed()
+
+
+@dataclass
+class ProcessGroup:
+    """A world of Ray actors joined in one torch.distributed group (rank r = actors[r])."""
+
+    actors: list[Any]
+    placement: Any
+    pids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls,
+        actor_class: type,
+        num_workers: int,
+        args: Sequence[Any] | None = None,
+        rank_args: bool = True,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        backend: str = "auto",
+        device: str | None = None,
+        timeout_s: float = 300.0,
+        strategy: str = "PACK",
+    ) -> ProcessGroup:
+        """Start `num_workers` actors of `actor_class` (a `GroupMember`) in one placement
+        group and join them into a process group. Each actor is constructed with
+        `(rank, num_workers, *args)` when `rank_args`, else `(*args)`."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        bundle: dict[str, float] = {"CPU": num_cpus}
+        if num_gpus:
+            bundle["GPU"] = num_gpus
+        placement = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy)
+        actors: list[Any] = []
+        try:
+            ready, _ = ray.wait([placement.ready()], timeout=120)
+            if not ready:
+                raise RuntimeError(
+                    f"cannot place {num_workers} workers of {bundle} each: the Ray cluster has "
+                    f"{ray.cluster_resources()}; use fewer workers"
+                )
+            remote = ray.remote(actor_class)
+            for rank in range(num_workers):
+                options = remote.options(
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement, placement_group_bundle_index=rank
+                    ),
+                )
+                actor_args = (rank, num_workers, *(args or ())) if rank_args else tuple(args or ())
+                actors.append(options.remote(*actor_args))
+            address, port = ray.get(actors[0].group_address.remote())
+            pids = ray.get(
+                [
+                    actor.join_group.remote(
+                        rank, num_workers, address, port, backend, device, timeout_s
+                    )
+                    for rank, actor in enumerate(actors)
+                ]
+            )
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(placement)
+            raise
+        return cls(actors, placement, pids)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Destroy the process groups (best effort, waiting up to `timeout_s`; 0 when a
+        member died and the others may hang in a collective), kill the actors, release the
+        placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            if timeout_s > 0:
+                ray.wait(
+                    [actor.leave_group.remote() for actor in self.actors],
+                    num_returns=len(self.actors),
+                    timeout=timeout_s,
+                )
+        finally:
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(self.placement)

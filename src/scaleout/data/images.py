@@ -1,0 +1,262 @@
+"""Image data sets read from disk: ImageFolder-style JPEG/PNG directories and .npy arrays.
+
+Both apply Krizhevsky et al.'s preprocessing (as in Ding et al. 2015, footnote 2) per
+example, so that it runs in the loader's worker processes: resize (optional), subtract the
+mean image of the training set, random crop and random horizontal flip (training split;
+the test split is centre-cropped and never flipped).
+
+The crop and flip of example i in epoch e are drawn from a generator seeded by
+(seed, e, i) alone, so a batch is the same whichever process prepares it and however many
+loader processes there are: `loader.workers` changes the speed, never the run. The loader
+tells the data set its epoch with `set_epoch` before each epoch's worker processes start.
+
+A batch is assembled by `__getitems__` straight into one tensor; inside a loader worker
+process that tensor is allocated in shared memory, so handing it to the training process
+moves a file descriptor, not the pixels.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from scaleout.data.loader import derive_seed
+from scaleout.errors import DataError
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "ImageDataset",
+    "ImageFolderDataset",
+    "NpyDataset",
+    "check_image_data",
+    "write_image_folder",
+]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+_MEAN_SAMPLES = 1000  # training images averaged into the mean image
+_NPY_FILES = ("x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy")
+
+
+class ImageDataset(Dataset):
+    """Base: subclasses return one raw image as float32 (C, H, W) in [0, 1] and its label;
+    this class resizes, subtracts the mean image, crops and flips."""
+
+    def __init__(
+        self,
+        labels: np.ndarray,
+        num_classes: int,
+        *,
+        train: bool,
+        image_size: int | None = None,
+        crop: int | None = None,
+        flip: bool = True,
+        mean_image: bool | torch.Tensor = True,
+        seed: int = 0,
+    ) -> None:
+        self.labels = torch.as_tensor(np.asarray(labels, dtype=np.int64))  # (N,)
+        self.num_classes = num_classes
+        self.train, self.image_size, self.crop = train, image_size, crop
+        self.flip = flip and train
+        self.seed, self.epoch = seed, 0
+        first = self._sized(0) if len(self.labels) else None
+        if first is None:
+            raise DataError(f"{type(self).__name__}: the data set holds no images")
+        self.stored_shape: tuple[int, ...] = tuple(first.shape)  # (C, H, W) before cropping
+        if crop is not None and crop > min(self.stored_shape[1:]):
+            raise DataError(
+                f"data.crop = {crop} is larger than the images ({self.stored_shape[1]}x"
+                f"{self.stored_shape[2]}); use a smaller crop or a larger data.image_size"
+            )
+        if isinstance(mean_image, torch.Tensor):
+            self.mean: torch.Tensor | None = mean_image
+        else:
+            self.mean = self.compute_mean() if mean_image else None
+
+    # --- subclasses -----------------------------------------------------------------------
+
+    def raw(self, index: int) -> torch.Tensor:
+        """Image `index` as float32 (C, H, W) in [0, 1]."""
+        raise NotImplementedError
+
+    # --- preprocessing --------------------------------------------------------------------
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        channels, height, width = self.stored_shape
+        return (channels, self.crop, self.crop) if self.crop else (channels, height, width)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _sized(self, index: int) -> torch.Tensor:
+        image = self.raw(index)  # (C, H, W)
+        if self.image_size is not None and image.shape[1:] != (self.image_size,) * 2:
+            image = torch.nn.functional.interpolate(
+                image[None], size=(self.image_size,) * 2, mode="bilinear", antialias=True
+            )[0]
+        return image
+
+    def compute_mean(self) -> torch.Tensor:
+        """Per-pixel mean (C, H, W) of up to 1000 evenly spaced training images."""
+        picks = np.linspace(0, len(self) - 1, min(len(self), _MEAN_SAMPLES)).astype(int)
+        total = torch.zeros(self.stored_shape, dtype=torch.float64)
+        for i in np.unique(picks):
+            total += self._sized(int(i))
+        return (total / len(np.unique(picks))).float()
+
+    def _preprocessed(self, index: int, out: torch.Tensor) -> None:
+        image = self._sized(index)  # (C, H, W)
+        if self.mean is not None:
+            image = image - self.mean
+        height, width = image.shape[1:]
+        if self.crop is not None:
+            if self.train:
+                g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, index))
+                top = int(torch.randint(height - self.crop + 1, (), generator=g))
+                left = int(torch.randint(width - self.crop + 1, (), generator=g))
+                flip = self.flip and bool(torch.randint(2, (), generator=g))
+            else:
+                top, left, flip = (height - self.crop) // 2, (width - self.crop) // 2, False
+            image = image[:, top : top + self.crop, left : left + self.crop]
+        elif self.flip:
+            g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, index))
+            flip = bool(torch.randint(2, (), generator=g))
+        else:
+            flip = False
+        out.copy_(image.flip(-1) if flip else image)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, num: int) -> ImageDataset:
+        """The first `num` examples, for quick runs (the mean image stays the full one's)."""
+        part = copy.copy(self)
+        part.labels = self.labels[:num]
+        return part
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.__getitems__([index])
+        return x[0], y[0]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.empty((len(indices), *self.input_shape))  # (N, C, H, W)
+        if get_worker_info() is not None:  # a loader process: hand over without copying
+            x.share_memory_()
+        for row, index in enumerate(indices):
+            self._preprocessed(index, x[row])
+        return x, self.labels[torch.as_tensor(indices, dtype=torch.long)]
+
+    @staticmethod
+    def collate(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """`__getitems__` already returns a batch."""
+        return batch
+
+
+class ImageFolderDataset(ImageDataset):
+    """`root/<split>/<class>/<image>.{jpg,jpeg,png}`; classes are the training split's
+    sub-directories in sorted order. Images are decoded with Pillow, as RGB."""
+
+    def __init__(
+        self, root: str | Path, split: str, classes: list[str] | None = None, **kw: object
+    ) -> None:  # noqa: E501
+        directory = Path(root) / split
+        if not directory.is_dir():
+            raise DataError(
+                f"data.path {root} has no {split}/ directory; an image folder holds "
+                "train/<class>/<image> and test/<class>/<image>"
+            )
+        self.classes = classes or sorted(p.name for p in directory.iterdir() if p.is_dir())
+        files, labels = [], []
+        for label, name in enumerate(self.classes):
+            for path in sorted((directory / name).glob("*")):
+                if path.suffix.lower() in IMAGE_EXTENSIONS:
+                    files.append(path)
+                    labels.append(label)
+        if not files:
+            raise DataError(f"{directory} holds no .jpg/.jpeg/.png images under class directories")
+        self.files = files
+        super().__init__(np.array(labels), len(self.classes), train=split == "train", **kw)  # type: ignore[arg-type]
+
+    def raw(self, index: int) -> torch.Tensor:
+        from PIL import Image
+
+        with Image.open(self.files[index]) as image:
+            pixels = np.array(image.convert("RGB"))  # (H, W, 3) uint8
+        return torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255.0)
+
+
+class NpyDataset(ImageDataset):
+    """`root/x_<split>.npy` (N, H, W, C) uint8 or (N, C, H, W) float in [0, 1], and
+    `root/y_<split>.npy` (N,) integer labels; x is memory-mapped, read one image at a time."""
+
+    def __init__(self, root: str | Path, split: str, **kw: object) -> None:
+        root = Path(root)
+        try:
+            self.x = np.load(root / f"x_{split}.npy", mmap_mode="r", allow_pickle=False)
+            labels = np.load(root / f"y_{split}.npy", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise DataError(f"cannot read the {split} arrays in {root}: {err}") from None
+        if self.x.ndim != 4 or labels.ndim != 1 or len(labels) != len(self.x):
+            raise DataError(
+                f"{root}: x_{split}.npy must be (N, H, W, C) or (N, C, H, W) and y_{split}.npy "
+                f"(N,); got {self.x.shape} and {labels.shape}"
+            )
+        self.channels_last = self.x.dtype == np.uint8
+        classes = int(labels.max()) + 1 if len(labels) else 0
+        super().__init__(labels, classes, train=split == "train", **kw)  # type: ignore[arg-type]
+
+    def raw(self, index: int) -> torch.Tensor:
+        image = torch.from_numpy(np.array(self.x[index]))
+        if self.channels_last:
+            return image.permute(2, 0, 1).float().div_(255.0)  # (C, H, W)
+        return image.float()
+
+
+def check_image_data(kind: str, path: Path) -> None:
+    """Raise `DataError` naming the fix when `path` does not hold a data set of `kind`."""
+    if not Path(path).is_dir():
+        raise DataError(f"data.path {path} is not a directory")
+    if kind == "image_folder":
+        for split in ("train", "test"):
+            if not (Path(path) / split).is_dir():
+                raise DataError(
+                    f"data.path {path} has no {split}/ directory; an image folder holds "
+                    "train/<class>/<image> and test/<class>/<image>"
+                )
+    else:
+        missing = [name for name in _NPY_FILES if not (Path(path) / name).is_file()]
+        if missing:
+            raise DataError(f"data.path {path} lacks {', '.join(missing)}")
+
+
+def write_image_folder(
+    root: Path,
+    num_classes: int,
+    num_train: int,
+    num_test: int,
+    size: int = 72,
+    seed: int = 0,
+    quality: int = 90,
+) -> Path:
+    """Write a synthetic ImageFolder of JPEGs (class-coloured blobs plus noise) under `root`,
+    for benchmarks and tests; returns `root`."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    colours = rng.uniform(40, 215, (num_classes, 3))
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    for split, count in (("train", num_train), ("test", num_test)):
+        for i in range(count):
+            label = i % num_classes
+            cx, cy = rng.uniform(0.3, 0.7, 2)
+            blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / 0.05)[..., None]  # (H, W, 1)
+            pixels = 128 + (colours[label] - 128) * blob + rng.normal(0, 20, (size, size, 3))
+            directory = root / split / f"class_{label:03d}"
+            directory.mkdir(parents=True, exist_ok=True)
+            image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+            image.save(directory / f"{i:06d}.jpg", quality=quality)
+    return root
