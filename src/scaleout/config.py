@@ -369,7 +369,10 @@ class SyncSection(Section):
 
 
 class ModelParallelSection(Section):
-    """Model parallelism over a grid of workers."""
+    """Model parallelism over a grid of workers (scaleout.parallel.model_parallel)."""
+
+    grid: Annotated[list[PositiveInt], Field(min_length=2, max_length=2)] = [1, 1]  # [px, py]
+    transport: Literal["all_to_all", "p2p"] = "all_to_all"
 
 
 CodecName = Literal[

@@ -38,7 +38,7 @@ CONVEX: dict[str, Any] = {
     "train": {"strategy": "sandblaster", "eval_every": 1000, "checkpoint_every": 100_000},
     "sandblaster": {
         "num_shards": 2,
-        "portion_size": 1000,
+        "portion_size": 2000,
         "max_iterations": 300,
         "l2": L2,
         "dtype": "float64",
@@ -199,7 +199,7 @@ def run() -> SuiteResult:
                 "num_shards": 2,
                 "portion_size": 1000,
                 "batch_size": 10_000,
-                "max_iterations": 40,
+                "max_iterations": 30,
                 "l2": 1e-5,
             },
         }
@@ -249,7 +249,7 @@ def run() -> SuiteResult:
             )
     notes = [
         "Convex: 60k MNIST images in [0,1], mean cross-entropy + 1e-4 ||W||^2 (biases free), "
-        "float64, portions of 1000 examples, 2 shards, history 10; scipy and torch run in this "
+        "float64, portions of 2000 examples, 2 shards, history 10; scipy and torch run in this "
         "process with one thread. The issue's reference: scipy reaches 0.2751117 in ~300 "
         "iterations.",
         "Stragglers: 4 replicas on this 2-core machine (oversubscribed), replica 3 sleeps 3x its "
