@@ -74,6 +74,18 @@ def _info(args: argparse.Namespace) -> int:
         f"FLOPs per example: forward {human(info.forward_flops)}, "
         f"training ~{human(info.train_flops)} (3x forward)"
     )
+    for note in info.notes:
+        out.print(note)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from scaleout.nn.selectivity import selectivity_report
+
+    report = selectivity_report(args.run_dir)
+    out.print_json(json.dumps(report, default=str))
     return 0
 
 
@@ -165,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     report = verbs.add_parser("report", help="re-draw a run's plot and print its summary")
     report.add_argument("run_dir", type=Path, help="a run directory, e.g. runs/mnist_single")
     report.set_defaults(handler=_report)
+
+    evaluate = verbs.add_parser("eval", help="evaluate a trained run")
+    evaluate.add_argument(
+        "what",
+        choices=["selectivity"],
+        help="selectivity: best single-neuron face detector (Le et al. 2012)",
+    )
+    evaluate.add_argument("run_dir", type=Path, help="a sparse_autoencoder run directory")
+    evaluate.set_defaults(handler=_eval)
 
     bench = verbs.add_parser("bench", help="run a benchmark suite (side by side with the papers)")
     bench.add_argument("suite", nargs="?", help="suite name; --list shows them")

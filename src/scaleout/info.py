@@ -7,7 +7,7 @@ Training FLOPs are taken as 3x the forward pass (forward, input gradients, weigh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ class ModelInfo:
     forward_flops: int  # per example
     bytes_per_value: int
     optimizer: str
+    notes: list[str] = field(default_factory=list)  # model-specific lines for `scaleout info`
 
     @property
     def train_flops(self) -> int:
@@ -60,6 +61,8 @@ def describe_model(config: RunConfig) -> ModelInfo:
     with torch.device("meta"):
         model = build_model(config.model.kind, **options)
     input_shape = tuple(model.input_shape)
+    if hasattr(model, "layer_costs"):  # the model counts its own layers exactly
+        return _from_layer_costs(model, config, input_shape)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         model.eval()(torch.empty(1, *input_shape, device="meta"))
@@ -84,6 +87,28 @@ def describe_model(config: RunConfig) -> ModelInfo:
         forward_flops=counter.get_total_flops(),
         bytes_per_value=torch.finfo(torch.get_default_dtype()).bits // 8,
         optimizer=config.train.optimizer,
+    )
+
+
+def _from_layer_costs(model: nn.Module, config: RunConfig, input_shape: tuple) -> ModelInfo:
+    """Counts from `model.layer_costs()`, for layers FlopCounterMode cannot see into (custom
+    autograd Functions); `model.cost_notes(...)` adds lines of its own (e.g. per stack)."""
+    layers = [LayerInfo(**row) for row in model.layer_costs()]  # type: ignore[operator]
+    bytes_per_value = torch.finfo(torch.get_default_dtype()).bits // 8
+    notes = []
+    if hasattr(model, "cost_notes"):
+        notes = model.cost_notes(  # type: ignore[operator]
+            config.train.batch_size, bytes_per_value, OPTIMIZER_STATE[config.train.optimizer]
+        )
+    return ModelInfo(
+        kind=config.model.kind,
+        input_shape=input_shape,
+        layers=layers,
+        params=sum(p.numel() for p in model.parameters()),
+        forward_flops=sum(layer.flops for layer in layers),
+        bytes_per_value=bytes_per_value,
+        optimizer=config.train.optimizer,
+        notes=notes,
     )
 
 

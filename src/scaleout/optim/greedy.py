@@ -7,7 +7,8 @@ trained on stack 1's output, and so on. Only the stack being trained has gradien
 optimizer state, so memory holds every stack's weights plus one stack's gradient and
 momentum. The metrics carry the objective's two terms, `reconstruction` and `sparsity`
 (per example), beside `loss` (their sum) and `stack`; `filters.png` in the run directory shows
-the first stack's filters, and `objective.png` both terms per stack.
+the first stack's filters, and `objective.png` both terms per stack. Each stack's alpha
+starts at the least-squares scale of its reconstruction on the stack's first minibatch.
 
 Steps are counted over the whole run (stack k covers steps (k-1)*S+1 .. k*S), a checkpoint
 records the stack whose optimizer state it holds, and each stack's data order depends only
@@ -184,6 +185,9 @@ def train_greedy(config: RunConfig, run: RunDir, resume: bool = False) -> TrainR
             )
             for (x,) in loader:
                 x = x.to(device, non_blocking=True)
+                if step % steps_per_stack == 0:  # a stack's first minibatch: start alpha there
+                    with torch.no_grad():
+                        network.stacks[stack].fit_alpha_(network.features(x, stack))
                 terms = network.stack_objective(x, stack)
                 optimizer.zero_grad(set_to_none=True)
                 terms.total.backward()
