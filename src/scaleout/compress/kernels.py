@@ -1,0 +1,313 @@
+"""Fast encode/decode for the 8-bit tables: one pass over memory per direction.
+
+Encoding must find, for each magnitude a = |x| / scale, its rank among the table's
+thresholds. A binary search (`searchsorted` over 128 thresholds) costs about 40 ns per
+number here. Instead we index a lookup table by the top bits of a's float32 bit pattern:
+for a >= 0 those bits are monotone in a, and with `shift` low bits dropped each bin spans a
+relative width of at most 2^-(23 - shift). `shift` is chosen so that no bin holds more than
+one threshold; each bin's int32 entry packs the threshold's low bits and the codes below
+and above it, so one gather and one integer compare give the exact rank:
+
+    entry = low_bits(threshold) | code_below << shift | code_above << (shift + 8)
+    code  = code_above if low_bits(a) > low_bits(threshold) else code_below
+
+Negative inputs index a second copy of the table (offset `num_bins`), so asymmetric maps
+(bitsandbytes') need no special case. `encode_reference` is the straightforward
+searchsorted version the tests hold this to, bit for bit.
+
+The kernels are plain torch functions. `torch.compile` (inductor: fused C++/OpenMP on CPU,
+Triton on GPU) turns each into one loop over memory (the absmax reduction included). The
+first compile on a machine takes up to a minute (inductor caches it on disk; later
+processes need a few seconds), and a compiled call costs about 60 us, so by default only
+tensors of at least `COMPILE_MIN_NUMEL` values use the compiled version: the environment
+variable `SCALEOUT_COMPRESS_COMPILE` (`auto`, `always`, `never`) or `compiling(mode)`
+choose otherwise (test suites: `never`). Any failure to compile falls back, with a
+warning, to the same functions run eagerly (several passes, about 4x slower).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from scaleout.compress.tables import CodeTable, Rounding, get_table
+
+COMPILE_MIN_NUMEL = 1 << 20
+_MODES = ("auto", "always", "never")
+_ABS_MASK = 0x7FFFFFFF
+_EXP_ALL_ONES = 0x7F800000  # |bits| >= this: Inf or NaN
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A table's encoder (bins over float32 bit patterns) and decoder (256 values)."""
+
+    entries: torch.Tensor  # (2 * num_bins,) int32: positive bins, then negative bins
+    values: torch.Tensor  # (256,) float32 normalised value of each code
+    shift: int  # bits of the float32 pattern below the bin index
+    num_bins: int
+    top_bits: int  # bit pattern of the largest magnitude: larger inputs are clamped to it
+    pos_thresholds: torch.Tensor  # (P - 1,) float32, for the reference encoder
+    neg_thresholds: torch.Tensor
+    pos_codes: torch.Tensor  # (P,) int64
+    neg_codes: torch.Tensor
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
+
+
+def _bin_entries(
+    thresholds: np.ndarray, codes: np.ndarray, shift: int, num_bins: int
+) -> np.ndarray | None:
+    """Entries for one sign, or None when some bin would hold two thresholds."""
+    thr_bits = _bits(thresholds)  # ascending, as thresholds are
+    starts = np.arange(num_bins, dtype=np.int64) << shift  # first bit pattern of each bin
+    below = np.searchsorted(thr_bits, starts, side="left")  # thresholds < bin start
+    up_to_end = np.searchsorted(thr_bits, starts + (1 << shift) - 1, side="right")
+    count = up_to_end - below  # thresholds inside the bin
+    if count.max() > 1:
+        return None
+    mask = (1 << shift) - 1
+    has = count == 1
+    low = np.where(has, thr_bits[np.minimum(below, len(thr_bits) - 1)] & mask, mask)
+    code_below = codes[below].astype(np.int64)
+    code_above = np.where(has, codes[np.minimum(below + 1, len(codes) - 1)], code_below)
+    return low | code_below << shift | code_above.astype(np.int64) << (shift + 8)
+
+
+@cache
+def _lookup_cpu(table_name: str, rounding: Rounding) -> Lookup:
+    table: CodeTable = get_table(table_name)
+    pos_thr, neg_thr = table.thresholds(rounding)
+    top = max(table.pos_magnitudes[-1], table.neg_magnitudes[-1])
+    top_bits = int(_bits(top))
+    for shift in range(15, 7, -1):  # the coarsest bins that separate every threshold
+        num_bins = (top_bits >> shift) + 1
+        pos = _bin_entries(pos_thr, table.pos_codes, shift, num_bins)
+        neg = _bin_entries(neg_thr, table.neg_codes, shift, num_bins)
+        if pos is not None and neg is not None:
+            break
+    else:  # pragma: no cover - every table here separates at shift 15
+        raise AssertionError(f"{table_name}: thresholds too close for a bit-pattern lookup")
+    return Lookup(
+        entries=torch.from_numpy(np.concatenate([pos, neg]).astype(np.int32)),
+        values=torch.from_numpy(table.values.astype(np.float32)),
+        shift=shift,
+        num_bins=num_bins,
+        top_bits=top_bits,
+        pos_thresholds=torch.from_numpy(pos_thr),
+        neg_thresholds=torch.from_numpy(neg_thr),
+        pos_codes=torch.from_numpy(table.pos_codes.astype(np.int64)),
+        neg_codes=torch.from_numpy(table.neg_codes.astype(np.int64)),
+    )
+
+
+_LOOKUPS: dict[tuple[str, str, str], Lookup] = {}
+
+
+def lookup(table_name: str, rounding: Rounding, device: torch.device) -> Lookup:
+    """The lookup for `table_name` with its tensors on `device` (built once, then cached)."""
+    key = (table_name, rounding, str(device))
+    if key not in _LOOKUPS:
+        cpu = _lookup_cpu(table_name, rounding)
+        tensors = {
+            name: getattr(cpu, name).to(device)
+            for name in ("entries", "values", "pos_thresholds", "neg_thresholds")
+        }
+        _LOOKUPS[key] = Lookup(
+            **tensors,
+            shift=cpu.shift,
+            num_bins=cpu.num_bins,
+            top_bits=cpu.top_bits,
+            pos_codes=cpu.pos_codes.to(device),
+            neg_codes=cpu.neg_codes.to(device),
+        )
+    return _LOOKUPS[key]
+
+
+def _split(x: torch.Tensor, block_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n,) -> full blocks (num_full, block_size) and the ragged tail (1, rest) or None.
+
+    Kept apart (not zero-padded) so that the compiled kernel sees a plain 2-D view with a
+    static row length; padding inside it costs a mask per element."""
+    n = x.numel()
+    if block_size is None or n <= block_size:
+        return x.view(1, n), None
+    full = n - n % block_size
+    tail = x[full:].view(1, -1) if full < n else None
+    return x[:full].view(-1, block_size), tail
+
+
+def absmax(x: torch.Tensor, block_size: int | None) -> torch.Tensor:
+    """Per-block max |x| as float32 (num_blocks, 1); Inf and NaN propagate."""
+    parts = [
+        p.float().abs().amax(dim=1, keepdim=True) for p in _split(x, block_size) if p is not None
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _encode_blocks(
+    blocks: torch.Tensor,
+    scales: torch.Tensor | None,
+    entries: torch.Tensor,
+    *,
+    shift: int,
+    num_bins: int,
+    top_bits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks (B, L) -> codes (B, L) int8, scales (B, 1) float32, count of Inf/NaN inputs.
+
+    With `scales` None they are each block's absmax; otherwise the given (cached) scales,
+    and inputs beyond them are clamped to the largest magnitude."""
+    xf = blocks.float()
+    num_bad = ((xf.view(torch.int32) & _ABS_MASK) >= _EXP_ALL_ONES).sum()
+    if scales is None:
+        scales = xf.abs().amax(dim=1, keepdim=True)
+    safe = torch.where(scales > 0, scales, 1.0)  # all-zero blocks: a = 0
+    bits = (xf / safe).view(torch.int32)  # sign bit, then |a| as a monotone integer
+    mag = (bits & _ABS_MASK).clamp(max=top_bits)
+    key = (mag >> shift) + ((bits >> 31) & num_bins)  # negatives use the second table
+    entry = entries[key]
+    low = (1 << shift) - 1
+    code = torch.where((mag & low) > (entry & low), entry >> (shift + 8), entry >> shift)
+    # int8, not uint8: inductor vectorises int32 -> int8 but not int32 -> uint8.
+    return (code & 0xFF).to(torch.int8), scales, num_bad
+
+
+def _encode_blocks_fresh(
+    blocks: torch.Tensor, entries: torch.Tensor, **static: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _encode_blocks(blocks, None, entries, **static)
+
+
+def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """codes (B, L) uint8, scales (B, 1) -> float32 (B, L): values[code] * scale."""
+    return values[codes.to(torch.int32)] * scales
+
+
+def encode_reference(
+    x: torch.Tensor, scales: torch.Tensor, table: Lookup, block_size: int | None
+) -> torch.Tensor:
+    """The straightforward encoder: a binary search per value (`searchsorted`). uint8 (n,).
+
+    x (n,), scales (num_blocks, 1): one per block of `block_size` values, or one in all."""
+    n = x.numel()
+    per_value = scales.view(-1).repeat_interleave(block_size or n)[:n]  # (n,)
+    safe = torch.where(per_value > 0, per_value, 1.0)
+    a = x.float().view(-1) / safe
+    mag = a.abs()
+    pos = table.pos_codes[torch.searchsorted(table.pos_thresholds, mag)]
+    neg = table.neg_codes[torch.searchsorted(table.neg_thresholds, mag)]
+    return torch.where(torch.signbit(a), neg, pos).to(torch.uint8)
+
+
+# --- compiled versions ---------------------------------------------------------------------
+
+_COMPILED: dict[tuple, Callable] = {}
+_COMPILE_FAILED: set[str] = set()  # device types where torch.compile failed once
+_MODE_OVERRIDE: list[str] = []  # innermost `compiling(mode)` last
+
+
+def compile_mode() -> str:
+    """`auto` (compile for tensors of >= COMPILE_MIN_NUMEL values), "always" or "never"."""
+    if _MODE_OVERRIDE:
+        return _MODE_OVERRIDE[-1]
+    mode = os.environ.get("SCALEOUT_COMPRESS_COMPILE", "auto")
+    if mode not in _MODES:
+        raise ValueError(f"SCALEOUT_COMPRESS_COMPILE = {mode!r}: use 'auto', 'always' or 'never'")
+    return mode
+
+
+@contextmanager
+def compiling(mode: str) -> Iterator[None]:
+    """Use compile mode `mode` inside the block (e.g. "never" to time the eager kernels)."""
+    if mode not in _MODES:
+        raise ValueError(f"compile mode {mode!r}: use 'auto', 'always' or 'never'")
+    _MODE_OVERRIDE.append(mode)
+    try:
+        yield
+    finally:
+        _MODE_OVERRIDE.pop()
+
+
+def _use_compiled(x: torch.Tensor) -> bool:
+    mode = compile_mode()
+    if mode == "never" or x.device.type in _COMPILE_FAILED:
+        return False
+    return mode == "always" or x.numel() >= COMPILE_MIN_NUMEL
+
+
+def _run(name: str, fn: Callable, static: dict, x: torch.Tensor, *args: torch.Tensor) -> Any:
+    """fn(x, *args, **static), compiled once per (name, static options) when worthwhile."""
+    if not _use_compiled(x):
+        return fn(x, *args, **static)
+    key = (name, tuple(sorted(static.items())))
+    if key not in _COMPILED:
+
+        def kernel(*tensors: torch.Tensor):  # noqa: ANN202 - static options baked in
+            return fn(*tensors, **static)
+
+        _COMPILED[key] = torch.compile(kernel, dynamic=True)
+    try:
+        # One code object serves every variant, and inductor specialises on dtype, device
+        # and thread count: allow those recompiles (the default limit is 8).
+        with torch._dynamo.config.patch(recompile_limit=256):
+            return _COMPILED[key](x, *args)
+    except Exception as err:  # noqa: BLE001 - no compiler, no Triton, ...: stay correct
+        _COMPILE_FAILED.add(x.device.type)
+        warnings.warn(
+            f"scaleout.compress: torch.compile failed on {x.device.type} ({err!s:.200}); "
+            "using the eager kernels",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return fn(x, *args, **static)
+
+
+def encode(
+    x: torch.Tensor, scales: torch.Tensor | None, table: Lookup, block_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x (n,) -> codes uint8 (n,), scales float32 (num_blocks, 1), number of Inf/NaN inputs.
+
+    `scales` None: each block's absmax, computed in the same kernel."""
+    static = dict(shift=table.shift, num_bins=table.num_bins, top_bits=table.top_bits)
+    codes, new_scales, num_bad = [], [], 0
+    row = 0
+    for part in _split(x, block_size):
+        if part is None:
+            continue
+        if scales is None:
+            c, s, bad = _run("encode", _encode_blocks_fresh, static, part, table.entries)
+        else:
+            given = scales[row : row + part.shape[0]]
+            c, s, bad = _run("encode_given", _encode_blocks, static, part, given, table.entries)
+        row += part.shape[0]
+        codes.append(c.view(-1))
+        new_scales.append(s)
+        num_bad += int(bad)
+    if len(codes) == 1:
+        return codes[0].view(torch.uint8), new_scales[0], num_bad
+    return torch.cat(codes).view(torch.uint8), torch.cat(new_scales), num_bad
+
+
+def decode(
+    codes: torch.Tensor, scales: torch.Tensor, table: Lookup, block_size: int | None
+) -> torch.Tensor:
+    """float32 (n,) from codes uint8 (n,) and scales (num_blocks, 1)."""
+    out, row = [], 0
+    for part in _split(codes, block_size):
+        if part is None:
+            continue
+        given = scales[row : row + part.shape[0]]
+        row += part.shape[0]
+        out.append(_run("decode", _decode_blocks, {}, part, given, table.values).view(-1))
+    return out[0] if len(out) == 1 else torch.cat(out)

@@ -1,0 +1,85 @@
+"""The compiled kernels against the binary-search reference, and the eager fallback."""
+
+import pytest
+import torch
+
+from scaleout.compress import get, kernels
+
+
+def sample(n: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=generator) * torch.exp(4 * torch.randn(n, generator=generator))
+    x[::101] = 0
+    x[1::103] = -0.0
+    return x
+
+
+@pytest.mark.slow  # compiling takes from seconds (cached) to a minute (first time)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [None, 1024])
+def test_compiled_kernels_equal_reference_and_eager(dtype, block_size):
+    table = kernels.lookup("dynamic8", "paper", torch.device("cpu"))
+    x = sample(64 * 1024).to(dtype)
+    with kernels.compiling("always"):
+        codes, scales, num_bad = kernels.encode(x, None, table, block_size)
+        decoded = kernels.decode(codes, scales, table, block_size)
+        given, _, _ = kernels.encode(x, scales, table, block_size)
+    with kernels.compiling("never"):
+        eager_codes, eager_scales, _ = kernels.encode(x, None, table, block_size)
+        eager_decoded = kernels.decode(codes, scales, table, block_size)
+    assert num_bad == 0
+    torch.testing.assert_close(scales, eager_scales, rtol=0, atol=0)
+    reference = kernels.encode_reference(x, scales, table, block_size)
+    assert torch.equal(codes, reference) and torch.equal(eager_codes, reference)
+    assert torch.equal(given, reference)
+    torch.testing.assert_close(decoded, eager_decoded, rtol=0, atol=0)
+
+
+def test_eager_kernels_equal_reference_with_ragged_blocks():
+    table = kernels.lookup("linear8", "nearest", torch.device("cpu"))
+    x = sample(10_007)
+    with kernels.compiling("never"):
+        codes, scales, _ = kernels.encode(x, None, table, 1000)
+    assert scales.shape == (11, 1)
+    torch.testing.assert_close(scales.view(-1)[-1], x[10_000:].abs().max())
+    assert torch.equal(codes, kernels.encode_reference(x, scales, table, 1000))
+
+
+def test_a_failing_compiler_falls_back_to_eager(monkeypatch):
+    def broken_compile(fn, **options):
+        def compiled(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return compiled
+
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    monkeypatch.setattr(kernels, "_COMPILE_FAILED", set())
+    monkeypatch.setattr(kernels.torch, "compile", broken_compile)
+    x = sample(5000)
+    codec = get("dynamic8")
+    with kernels.compiling("never"):
+        expected = codec.roundtrip(x)
+    with kernels.compiling("always"), pytest.warns(RuntimeWarning, match="eager"):
+        got = codec.roundtrip(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert "cpu" in kernels._COMPILE_FAILED
+
+
+def test_compile_mode_is_validated(monkeypatch):
+    monkeypatch.setenv("SCALEOUT_COMPRESS_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match="SCALEOUT_COMPRESS_COMPILE"):
+        kernels.compile_mode()
+    with pytest.raises(ValueError, match="compile mode"), kernels.compiling("maybe"):
+        pass
+
+
+def test_dynamic8_bnb_is_at_least_as_close_as_bitsandbytes():
+    """Ours rounds to the nearest code exactly; bitsandbytes' CPU kernel uses a 65536-bin
+    approximation (notes section 6). Same map, same block absmax: never a larger error."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    x = sample(1 << 16)
+    codes, state = functional.quantize_blockwise(x, blocksize=4096)
+    theirs = functional.dequantize_blockwise(codes, state)
+    ours = get("dynamic8_bnb", block_size=4096).roundtrip(x)
+    torch.testing.assert_close(state.absmax.view(-1), x.view(-1, 4096).abs().amax(1))
+    assert torch.all((ours - x).abs() <= (theirs - x).abs() * (1 + 1e-6) + 1e-30)
