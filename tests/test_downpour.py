@@ -166,52 +166,75 @@ def test_unreachable_cluster_is_a_clear_error():
         connect("127.0.0.1:9")
 
 
-def ray_pids() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {
-        int(line.split()[0])
-        for line in out.splitlines()[1:]
-        if "ray::" in line or "raylet" in line or "gcs_server" in line
-    }
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` now (Ray's GCS, raylet and workers of a run)."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines()[1:]:
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+def run_tracking(args: list[str], until=None) -> tuple[subprocess.Popen, set[int], str]:
+    """Run the CLI; collect the processes it starts; optionally SIGINT when `until()`."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaleout", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    started, deadline, interrupted = set(), time.monotonic() + 240, False
+    try:
+        while proc.poll() is None:
+            started |= descendants(proc.pid)
+            if until is not None and not interrupted and until():
+                proc.send_signal(signal.SIGINT)
+                interrupted = True
+            assert time.monotonic() < deadline, "the run took too long"
+            time.sleep(0.1)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, started, err
 
 
 def test_cli_interrupt_resume_and_no_process_left(tmp_path):
     """The command as a user runs it: Ctrl-C, --resume, and nothing left running after."""
     path = write_config(tmp_path, steps=800, checkpoint_every=100, eval_every=400)
-    before = ray_pids()
     run = RunDir(tmp_path / "runs" / "dp")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scaleout", "train", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while not run.checkpoints.steps():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, first, err = run_tracking([str(path)], until=lambda: bool(run.checkpoints.steps()))
     assert proc.returncode == 130, err
     stopped = load_checkpoint(run.checkpoints.latest())[1]["step"]
     assert 100 <= stopped < 800
-    done = subprocess.run(
-        [sys.executable, "-m", "scaleout", "train", str(path), "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    assert f"at step {stopped}" in done.stderr
+    done, second, err = run_tracking([str(path), "--resume"])
+    assert done.returncode == 0, err
+    assert f"at step {stopped}" in err
     steps = [r["step"] for r in read_metrics(run.metrics)]
     assert steps == sorted(set(steps)) and steps[-1] == 800
-    time.sleep(1)
-    assert not (ray_pids() - before), "Ray processes outlived the run"
+    assert len(first) > 2 and len(second) > 2  # Ray's GCS, raylet and workers were seen
+    deadline = time.monotonic() + 15
+    while alive(first | second) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(first | second), "Ray processes outlived the run"
 
 
 def test_three_thread_replicas_train(ray_session, tmp_path):

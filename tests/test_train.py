@@ -25,6 +25,7 @@ CONFIG = """
 name = "{name}"
 seed = 3
 device = "cpu"
+num_threads = 2
 out_dir = "{out}"
 [data]
 dataset = "mnist"

@@ -51,6 +51,7 @@ class Downpour:
     def __init__(self, config: RunConfig, run: RunDir, resume: bool) -> None:
         self.config, self.run = config, run
         self.opts = config.downpour
+        self.threads_before = torch.get_num_threads()  # restored by close()
         torch.set_num_threads(config.run.num_threads or 1)
         self.device = resolve_device(config.run.device)
         torch.manual_seed(config.run.seed)
@@ -213,6 +214,7 @@ class Downpour:
 
     def close(self) -> None:
         """End this run's actors (on a shared cluster nothing else would)."""
+        torch.set_num_threads(self.threads_before)
         for replica in self.replicas:
             ray.kill(replica, no_restart=True)
         self.server.kill()

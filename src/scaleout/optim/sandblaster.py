@@ -49,6 +49,7 @@ class Interrupted(Exception):
 class Sandblaster:
     def __init__(self, config: RunConfig, run: RunDir, resume: bool) -> None:
         self.config, self.run, self.opts = config, run, config.sandblaster
+        self.threads_before = torch.get_num_threads()  # restored by close()
         torch.set_num_threads(config.run.num_threads or 1)
         torch.manual_seed(config.run.seed)
         self.device = resolve_device(config.run.device)
@@ -247,6 +248,8 @@ class Sandblaster:
                         winners[portion] = (key, loss, count)
                     else:
                         self.duplicates += 1
+                else:  # a copy that lost in an earlier batch: its gradient is already void
+                    self.duplicates += 1
                 for r in range(len(self.replicas)):
                     assign(r)
             flushes = {
@@ -290,6 +293,7 @@ class Sandblaster:
         return torch.from_numpy(np.concatenate(slices))
 
     def close(self) -> None:
+        torch.set_num_threads(self.threads_before)
         for actor in [*self.replicas, *self.shards]:
             ray.kill(actor, no_restart=True)
 

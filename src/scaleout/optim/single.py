@@ -117,11 +117,22 @@ def show_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
 
 
 def train_single(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
-    """Train on one worker; log, evaluate and checkpoint as the config says."""
-    if config.model.kind == "sparse_autoencoder":  # unsupervised, trained stack by stack
-        from scaleout.optim.greedy import train_greedy
+    """Train on one worker; log, evaluate and checkpoint as the config says.
 
-        return train_greedy(config, run, resume)
+    `run.num_threads` holds for the run only: the caller's torch thread count is restored.
+    """
+    threads = torch.get_num_threads()
+    try:
+        if config.model.kind == "sparse_autoencoder":  # unsupervised, trained stack by stack
+            from scaleout.optim.greedy import train_greedy
+
+            return train_greedy(config, run, resume)
+        return _train_single(config, run, resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_single(config: RunConfig, run: RunDir, resume: bool) -> TrainResult:
     train_cfg = config.train
     device = resolve_device(config.run.device)
     if config.run.num_threads:
