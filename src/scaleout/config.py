@@ -289,7 +289,7 @@ ModelSection = Annotated[
 
 # --- [train] -------------------------------------------------------------------------------
 
-Strategy = Literal["single", "downpour", "sync", "sandblaster"]
+Strategy = Literal["single", "downpour", "sync", "sandblaster", "model_parallel"]
 OptimizerName = Literal["sgd", "momentum", "adagrad", "rmsprop", "adam"]
 
 
@@ -373,6 +373,8 @@ class ModelParallelSection(Section):
 
     grid: Annotated[list[PositiveInt], Field(min_length=2, max_length=2)] = [1, 1]  # [px, py]
     transport: Literal["all_to_all", "p2p"] = "all_to_all"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
+    timeout_s: PositiveFloat = 300.0  # a collective waiting longer than this fails
 
 
 CodecName = Literal[

@@ -93,9 +93,16 @@ def _scipy(x: torch.Tensor, y: torch.Tensor) -> list[tuple[float, float]]:
 def _torch_lbfgs(x: torch.Tensor, y: torch.Tensor) -> list[tuple[float, float]]:
     """torch.optim.LBFGS, one `step` of up to 300 iterations; one point per evaluation."""
     w = torch.zeros(7850, dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([w], lr=1, max_iter=300, max_eval=400, history_size=10,
-                                  tolerance_grad=1e-9, tolerance_change=1e-12,
-                                  line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        [w],
+        lr=1,
+        max_iter=300,
+        max_eval=400,
+        history_size=10,
+        tolerance_grad=1e-9,
+        tolerance_change=1e-12,
+        line_search_fn="strong_wolfe",
+    )
     curve, start = [], time.perf_counter()
 
     def closure() -> torch.Tensor:

@@ -3,6 +3,7 @@
 from scaleout.comm.group import (
     GroupMember,
     ProcessGroup,
+    WorkerDied,
     default_backend,
     destroy_distributed,
     free_port,
@@ -12,6 +13,7 @@ from scaleout.comm.group import (
 __all__ = [
     "GroupMember",
     "ProcessGroup",
+    "WorkerDied",
     "default_backend",
     "destroy_distributed",
     "free_port",

@@ -23,16 +23,19 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from scaleout.errors import UserError
+
 __all__ = [
     "GroupMember",
     "ProcessGroup",
+    "WorkerDied",
     "default_backend",
     "destroy_distributed",
     "free_port",
@@ -133,6 +136,10 @@ class GroupMember:
         destroy_distributed()
 
 
+class WorkerDied(UserError):
+    """A worker of a process group died; the run stopped (at its last checkpoint)."""
+
+
 @dataclass
 class ProcessGroup:
     """A world of Ray actors joined in one torch.distributed group (rank r = actors[r])."""
@@ -207,6 +214,42 @@ class ProcessGroup:
     @property
     def world_size(self) -> int:
         return len(self.actors)
+
+    def get(self, futures: list[Any], doing: str, role: str, where: Callable[[], str]) -> list[Any]:
+        """The results of one call per worker (`futures[r]` on rank r). A worker that dies
+        stops the run with `WorkerDied` naming it (`role` rank (pid)) and `where()` (the step
+        and last checkpoint); a `UserError` raised in a worker reaches the caller as itself."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = list(futures)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except (RayTaskError, RayActorError):
+                # The survivors of a dead worker fail too (their collective loses a peer):
+                # give every call a moment to end, then blame a dead process first.
+                ray.wait(pending, num_returns=len(pending), timeout=3.0)
+                errors: list[tuple[int, BaseException]] = []
+                for rank, future in enumerate(futures):
+                    try:
+                        ray.get(future, timeout=0)
+                    except Exception as error:  # noqa: BLE001 - sorted below
+                        errors.append((rank, error))
+                for _, error in errors:
+                    if isinstance(error, RayTaskError) and isinstance(error.cause, UserError):
+                        raise UserError(str(error.cause)) from None
+                dead = [(r, e) for r, e in errors if isinstance(e, RayActorError)]
+                rank, error = (dead or errors)[0]
+                text = str(error).strip()
+                cause = text.splitlines()[0] if text else type(error).__name__
+                pid = self.pids[rank] if rank < len(self.pids) else "?"
+                raise WorkerDied(
+                    f"{role} {rank} (pid {pid}) died while {doing}: {cause[:200]}; the others "
+                    f"cannot continue without it, so the run stopped {where()}"
+                ) from None
+        return ray.get(futures)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Destroy the process groups (best effort, waiting up to `timeout_s`; 0 when a

@@ -32,11 +32,18 @@ def train_sync(config: RunConfig, run: RunDir, resume: bool = False) -> TrainRes
     return train(config, run, resume)
 
 
+def train_model_parallel(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
+    from scaleout.parallel.model_parallel import train_model_parallel as train
+
+    return train(config, run, resume)
+
+
 STRATEGIES: dict[str, Strategy] = {
     "single": train_single,
     "sync": train_sync,
     "downpour": train_downpour,
     "sandblaster": train_sandblaster,
+    "model_parallel": train_model_parallel,
 }
 
 __all__ = ["STRATEGIES", "Strategy", "TrainResult", "evaluate", "train_downpour", "train_single"]

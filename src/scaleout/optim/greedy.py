@@ -1,65 +1,60 @@
-"""Greedy layer-wise training of the sparse autoencoder (strategy "single" with
-`model.kind = "sparse_autoencoder"`; COTS HPC section 3, Le et al. 2012).
+"""Greedy layer-wise training of the sparse autoencoder (COTS HPC section 3, Le et al. 2012):
+the part that runs where the weights are.
 
 Stack 1 is trained on the data for `train.steps` (or `train.epochs`) minibatches of SGD with
 the configured optimizer (the paper: SGD with momentum); then it is frozen and stack 2 is
 trained on stack 1's output, and so on. Only the stack being trained has gradients and
 optimizer state, so memory holds every stack's weights plus one stack's gradient and
-momentum. The metrics carry the objective's two terms, `reconstruction` and `sparsity`
-(per example), beside `loss` (their sum) and `stack`; `filters.png` in the run directory shows
-the first stack's filters, and `objective.png` both terms per stack. Each stack's alpha
-starts at the least-squares scale of its reconstruction on the stack's first minibatch.
+momentum. Each stack's alpha starts at the least-squares scale of its reconstruction on the
+stack's first minibatch.
 
-Steps are counted over the whole run (stack k covers steps (k-1)*S+1 .. k*S), a checkpoint
-records the stack whose optimizer state it holds, and each stack's data order depends only
-on (seed, stack, epoch), so a resumed run continues exactly where it stopped.
+`GreedyTrainer` holds one replica, or one worker's part of a replica partitioned over a grid
+(`PartitionedAutoencoder`, strategy "model_parallel"): every worker of a grid runs the same
+calls on the same minibatch, and the partitioned network exchanges what it needs inside
+them. The driver (`scaleout.optim.greedy_driver`) logs, evaluates and checkpoints the same
+way for both. Steps are counted over the whole run (stack k covers steps (k-1)*S+1 .. k*S)
+and each stack's data order depends only on (seed, stack, epoch), so a resumed run continues
+exactly where it stopped. Checkpoints hold the whole replica in the single-process network's
+format (a model-parallel worker's filters and their optimizer state are assembled over the
+grid), so a run can resume under either strategy and any grid.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from scaleout.build import build_datasets, build_model_for, build_optimizer, resolve_device
-from scaleout.checkpoint import load_checkpoint
+from scaleout.checkpoint import load_optimizer_state, optimizer_state
 from scaleout.config import RunConfig, SparseAutoencoderModel
 from scaleout.data import derive_seed, make_loader, num_batches
-from scaleout.errors import CheckpointError, ConfigError, UserError
-from scaleout.interrupt import StopOnInterrupt
-from scaleout.metrics import MetricsLog, read_metrics, truncate_metrics
-from scaleout.nn.autoencoder import SparseAutoencoderNetwork, write_filter_image
-from scaleout.optim.single import TrainResult, load_model_state, model_state
-from scaleout.progress import TrainingProgress, console
-from scaleout.rundir import RunDir
+from scaleout.errors import ConfigError, UserError
+from scaleout.nn.autoencoder import ObjectiveTerms, SparseAutoencoderNetwork
+from scaleout.nn.local import LocalGeometry
+from scaleout.optim.single import load_model_state, model_state
 
-FILTERS_FILE = "filters.png"
-OBJECTIVE_PLOT_FILE = "objective.png"
+__all__ = ["GreedyPlan", "GreedyTrainer"]
 
 
-@torch.no_grad()
-def evaluate_objective(
-    network: SparseAutoencoderNetwork,
-    stack: int,
-    dataset: Dataset,
-    batch_size: int,
-    device: torch.device,
-) -> dict[str, float]:
-    """Per-example reconstruction and sparsity of stack `stack` (0-based) on `dataset`."""
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for (x,) in make_loader(dataset, batch_size, shuffle=False):
-        terms = network.stack_objective(x.to(device), stack)
-        sums += torch.stack([terms.reconstruction, terms.sparsity]).double() * len(x)
-    reconstruction, sparsity = (sums / len(dataset)).tolist()  # type: ignore[arg-type]
-    return {
-        "test_loss": reconstruction + sparsity,
-        "test_reconstruction": reconstruction,
-        "test_sparsity": sparsity,
-    }
+@dataclass(frozen=True)
+class GreedyPlan:
+    """What the driver needs to know of a run: its length and the first stack's geometry."""
+
+    batches_per_epoch: int
+    steps_per_stack: int
+    num_stacks: int
+    first_geometry: LocalGeometry
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_stack * self.num_stacks
 
 
 def _check_data_shape(config: RunConfig, train_set: Dataset) -> None:
@@ -75,210 +70,214 @@ def _check_data_shape(config: RunConfig, train_set: Dataset) -> None:
         )
 
 
-def show_greedy_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
-    fields = {
-        "stack": f"stack {record['stack']}",
-        "loss": f"loss {record['loss']:.4f}",
-        "terms": f"(rec {record['reconstruction']:.4f} + sp {record['sparsity']:.4f})",
-        "rate": f"{record['examples_per_s']:.1f} ex/s",
-    }
-    progress.update(record["step"], **fields)
-    if "test_loss" in record:
-        progress.log(
-            f"step {record['step']}  {record['time_s']:.1f}s  "
-            + "  ".join(fields.values())
-            + f"  test loss {record['test_loss']:.4f}"
-        )
+class GreedyTrainer:
+    """One replica (or one grid worker's part of it), its optimizer and its place in the data.
 
+    With `model_parallel`, the calling process is rank `rank` of the default process group
+    (or of `group`), whose size is `model_parallel.grid`'s product; every rank must make the
+    same calls in the same order.
+    """
 
-def train_greedy(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
-    """Train the stacks of a sparse autoencoder one after the other; log, evaluate and
-    checkpoint as the config says."""
-    train_cfg = config.train
-    device = resolve_device(config.run.device)
-    if config.run.num_threads:
-        torch.set_num_threads(config.run.num_threads)
-    torch.manual_seed(config.run.seed)
-    train_set, test_set = build_datasets(config)
-    _check_data_shape(config, train_set)
-    network = build_model_for(config, train_set).to(device)
-    assert isinstance(network, SparseAutoencoderNetwork)
-    batch_size = train_cfg.batch_size
-    drop_last = len(train_set) >= batch_size  # type: ignore[arg-type]
-    batches_per_epoch = num_batches(len(train_set), batch_size, drop_last)  # type: ignore[arg-type]
-    steps_per_stack = train_cfg.steps or train_cfg.epochs * batches_per_epoch
-    total_steps = steps_per_stack * network.num_stacks
-    pin_memory = (
-        device.type == "cuda" if config.loader.pin_memory == "auto" else config.loader.pin_memory
-    )
+    def __init__(
+        self,
+        config: RunConfig,
+        model_parallel: bool = False,
+        rank: int = 0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config, self.train_cfg = config, config.train
+        self.device = resolve_device(config.run.device)
+        if config.run.num_threads:
+            torch.set_num_threads(config.run.num_threads)
+        torch.manual_seed(config.run.seed)
+        self.train_set, self.test_set = build_datasets(config)
+        _check_data_shape(config, self.train_set)
+        # initialised globally with the seed, then partitioned: the same start on any grid
+        network = build_model_for(config, self.train_set).to(self.device)
+        assert isinstance(network, SparseAutoencoderNetwork)
+        self.first_geometry = network.stacks[0].geometry
+        self.partitioned = None
+        self.network: nn.Module = network
+        if model_parallel:
+            from scaleout.parallel.model_parallel import PartitionedAutoencoder
 
-    def optimizer_for(stack: int) -> torch.optim.Optimizer:
-        network.train_only(stack)
-        return build_optimizer(network.stack_parameter_groups(stack, train_cfg.lr), train_cfg)
+            codec = None
+            if config.compress.codec != "fp32":
+                from scaleout.compress import from_config
 
-    step, examples, elapsed, optimizer_stack = 0, 0, 0.0, 0
-    optimizer = optimizer_for(0)
-    if resume:
-        path = run.checkpoints.latest()
-        assert path is not None  # RunDir.prepare checked
-        tensors, meta = load_checkpoint(path)
-        if (meta.get("batches_per_epoch"), meta.get("steps_per_stack")) != (
-            batches_per_epoch,
-            steps_per_stack,
-        ):
-            raise CheckpointError(
-                f"checkpoint {path} was made with {meta.get('batches_per_epoch')} batches per "
-                f"epoch and {meta.get('steps_per_stack')} steps per stack, this config gives "
-                f"{batches_per_epoch} and {steps_per_stack}: resume with the same train.steps, "
-                "train.batch_size and data"
-            )
-        optimizer_stack = meta["stack"]
-        optimizer = optimizer_for(optimizer_stack)
-        load_model_state(network, optimizer, tensors, meta, str(path))
-        step, examples, elapsed = meta["step"], meta["examples"], meta["time_s"]
-        truncate_metrics(run.metrics, step)
-        console.print(f"resumed {run.path} at step {step} (stack {optimizer_stack + 1})")
-
-    def save(record: dict[str, Any]) -> None:
-        tensors, meta = model_state(network, optimizer)
-        meta.update(
-            step=step,
-            examples=examples,
-            time_s=time.perf_counter() - start,
+                codec = from_config(config.compress)
+            options = config.model_parallel
+            self.partitioned = PartitionedAutoencoder(
+                network, tuple(options.grid), rank, group, options.transport, codec
+            ).to(self.device)
+            self.network = self.partitioned  # the global network is dropped here
+        self.group = group
+        size = len(self.train_set)  # type: ignore[arg-type]
+        self.drop_last = size >= self.train_cfg.batch_size
+        batches_per_epoch = num_batches(size, self.train_cfg.batch_size, self.drop_last)
+        self.plan = GreedyPlan(
             batches_per_epoch=batches_per_epoch,
-            steps_per_stack=steps_per_stack,
-            stack=optimizer_stack,
-            strategy="single",
-            config=config.model_dump(mode="json"),
-            metrics=record,
+            steps_per_stack=self.train_cfg.steps or self.train_cfg.epochs * batches_per_epoch,
+            num_stacks=network.num_stacks,
+            first_geometry=self.first_geometry,
         )
-        run.checkpoints.save(step, tensors, meta)
-        if optimizer_stack == 0:
-            write_filter_image(
-                network.stacks[0].filter.weight, network.stacks[0].geometry, run.path / FILTERS_FILE
-            )
+        self.pin_memory = (
+            self.device.type == "cuda"
+            if config.loader.pin_memory == "auto"
+            else config.loader.pin_memory
+        )
+        self.step = 0
+        self.optimizer_stack = 0
+        self.optimizer = self._optimizer_for(0)
+        self._batches: Any = None
 
-    start = time.perf_counter() - elapsed
-    record: dict[str, Any] = {}
-    window = torch.zeros(2, dtype=torch.float64, device=device)  # reconstruction, sparsity
-    window_examples, window_start, paused = 0, time.perf_counter(), 0.0
-    with (
-        MetricsLog(run.metrics) as log,
-        StopOnInterrupt() as interrupt,
-        TrainingProgress(total_steps, completed=step, description="greedy") as progress,
-    ):
-        while step < total_steps and not interrupt.requested:
-            stack = step // steps_per_stack
-            if stack != optimizer_stack:
-                optimizer, optimizer_stack = optimizer_for(stack), stack
-            epoch, start_batch = divmod(step - stack * steps_per_stack, batches_per_epoch)
+    def get_plan(self) -> GreedyPlan:
+        return self.plan
+
+    def _optimizer_for(self, stack: int) -> torch.optim.Optimizer:
+        self.network.train_only(stack)  # type: ignore[operator]
+        groups = self.network.stack_parameter_groups(stack, self.train_cfg.lr)  # type: ignore[operator]
+        return build_optimizer(groups, self.train_cfg)
+
+    def _sum_over_replica(self, values: Tensor) -> Tensor:
+        """A model-parallel worker's parts summed over the grid; the values themselves else."""
+        if self.partitioned is not None and dist.is_initialized():
+            dist.all_reduce(values, group=self.group)
+        return values
+
+    # --- training ----------------------------------------------------------------------------
+
+    def _next_batch(self) -> Tensor:
+        """The step's minibatch (N, C, H, W): the same on every worker of a grid."""
+        plan = self.plan
+        stack = self.step // plan.steps_per_stack
+        epoch, batch = divmod(self.step - stack * plan.steps_per_stack, plan.batches_per_epoch)
+        if batch == 0 or self._batches is None:
             loader = make_loader(
-                train_set,
-                batch_size,
+                self.train_set,
+                self.train_cfg.batch_size,
                 shuffle=True,
-                seed=derive_seed(config.run.seed, stack),
+                seed=derive_seed(self.config.run.seed, stack),
                 epoch=epoch,
-                start_batch=start_batch,
-                workers=config.loader.workers,
-                pin_memory=pin_memory,
-                drop_last=drop_last,
+                start_batch=batch,
+                workers=self.config.loader.workers,
+                pin_memory=self.pin_memory,
+                drop_last=self.drop_last,
             )
-            for (x,) in loader:
-                x = x.to(device, non_blocking=True)
-                if step % steps_per_stack == 0:  # a stack's first minibatch: start alpha there
-                    with torch.no_grad():
-                        network.stacks[stack].fit_alpha_(network.features(x, stack))
-                terms = network.stack_objective(x, stack)
-                optimizer.zero_grad(set_to_none=True)
-                terms.total.backward()
-                optimizer.step()
-                step += 1
-                examples += len(x)
-                window += torch.stack([terms.reconstruction, terms.sparsity]).detach() * len(x)
-                window_examples += len(x)
+            self._batches = iter(loader)
+        (x,) = next(self._batches)
+        return x.to(self.device, non_blocking=True)
 
-                end_of_stack = step % steps_per_stack == 0
-                evaluating = step % train_cfg.eval_every == 0 or end_of_stack
-                if step % train_cfg.log_every == 0 or evaluating or interrupt.requested:
-                    now = time.perf_counter()
-                    reconstruction, sparsity = (window / window_examples).tolist()
-                    record = {
-                        "time_s": round(now - start, 4),
-                        "step": step,
-                        "epoch": epoch,
-                        "examples": examples,
-                        "stack": stack + 1,
-                        "loss": reconstruction + sparsity,
-                        "reconstruction": reconstruction,
-                        "sparsity": sparsity,
-                        "alpha": network.stacks[stack].alpha.item(),
-                        "lr": optimizer.param_groups[0]["lr"],
-                        "examples_per_s": window_examples / max(now - window_start - paused, 1e-9),
-                    }
-                    if not math.isfinite(record["loss"]):
-                        raise UserError(
-                            f"training diverged: the objective is {record['loss']} at step "
-                            f"{step} (stack {stack + 1}); lower train.lr"
-                        )
-                    if evaluating:
-                        record.update(
-                            evaluate_objective(
-                                network, stack, test_set, train_cfg.eval_batch_size, device
-                            )
-                        )
-                    log.log(record)
-                    show_greedy_progress(progress, record)
-                    window.zero_()
-                    window_examples, window_start, paused = 0, time.perf_counter(), 0.0
-                if step % train_cfg.checkpoint_every == 0 or end_of_stack or interrupt.requested:
-                    saving_from = time.perf_counter()
-                    save(record)
-                    paused += time.perf_counter() - saving_from
-                progress.update(step)
-                if end_of_stack or interrupt.requested:
-                    break
-    if interrupt.requested:
-        console.print(
-            f"interrupted at step {step}: checkpoint saved in {run.checkpoints.directory}; "
-            "continue with --resume"
+    @torch.no_grad()
+    def _fit_alpha(self, x: Tensor, stack: int) -> None:
+        if self.partitioned is not None:
+            self.partitioned.fit_alpha_(x, stack)
+        else:
+            network: Any = self.network
+            network.stacks[stack].fit_alpha_(network.features(x, stack))
+
+    def train_chunk(self, num_steps: int) -> dict[str, Any]:
+        """Train `num_steps` steps, all within one stack; return the replica's summed terms
+        (reconstruction, sparsity: per-example values times examples), the examples, and the
+        stack's alpha and learning rate afterwards."""
+        plan = self.plan
+        stack = self.step // plan.steps_per_stack
+        assert (self.step + num_steps - 1) // plan.steps_per_stack == stack, (
+            "a chunk crossed a stack"
         )
-    plot_objective(read_metrics(run.metrics), run.path / OBJECTIVE_PLOT_FILE)
-    return TrainResult(step=step, interrupted=interrupt.requested, summary=run.finish())
-
-
-def plot_objective(records: list[dict[str, Any]], out: Path) -> Path | None:
-    """Reconstruction and sparsity (train, and test where evaluated) per stack, against
-    steps: one panel per stack."""
-    rows = [r for r in records if "reconstruction" in r and "stack" in r]
-    if not rows:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    stacks = sorted({r["stack"] for r in rows})
-    fig, axes = plt.subplots(1, len(stacks), figsize=(4.5 * len(stacks), 3.6), squeeze=False)
-    for ax, stack in zip(axes[0], stacks, strict=True):
-        mine = [r for r in rows if r["stack"] == stack]
-        steps = [r["step"] for r in mine]
-        ax.plot(steps, [r["reconstruction"] for r in mine], label="reconstruction")
-        ax.plot(steps, [r["sparsity"] for r in mine], label="sparsity")
-        tested = [r for r in mine if "test_reconstruction" in r]
-        if tested:
-            ax.plot(
-                [r["step"] for r in tested],
-                [r["test_reconstruction"] + r["test_sparsity"] for r in tested],
-                "o-",
-                label="test objective",
+        if stack != self.optimizer_stack:
+            self.optimizer, self.optimizer_stack = self._optimizer_for(stack), stack
+            self._batches = None
+        network: Any = self.network
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        examples = 0
+        started = time.perf_counter()
+        for _ in range(num_steps):
+            x = self._next_batch()
+            if self.step % plan.steps_per_stack == 0:  # a stack's first minibatch: alpha there
+                self._fit_alpha(x, stack)
+            terms: ObjectiveTerms = network.stack_objective(x, stack)
+            self.optimizer.zero_grad(set_to_none=True)
+            terms.total.backward()
+            if self.partitioned is not None:
+                self.partitioned.sync_grads()
+            self.optimizer.step()
+            self.step += 1
+            examples += len(x)
+            sums += torch.stack([terms.reconstruction, terms.sparsity]).detach() * len(x)
+        reconstruction, sparsity = self._sum_over_replica(sums).tolist()
+        if not math.isfinite(reconstruction + sparsity):
+            raise UserError(
+                f"training diverged: the objective is {(reconstruction + sparsity) / examples} "
+                f"at step {self.step} (stack {stack + 1}); lower train.lr"
             )
-        ax.set_title(f"stack {stack}")
-        ax.set_xlabel("step")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    axes[0][0].set_ylabel("per example")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+        return {
+            "reconstruction": reconstruction,
+            "sparsity": sparsity,
+            "examples": examples,
+            "epoch": (self.step - 1 - stack * plan.steps_per_stack) // plan.batches_per_epoch,
+            "alpha": network.stacks[stack].alpha.item(),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "seconds": time.perf_counter() - started,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Per-example reconstruction and sparsity of the current stack on the test set."""
+        stack = max(self.step - 1, 0) // self.plan.steps_per_stack  # the last trained step's
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        batch_size = self.train_cfg.eval_batch_size
+        for (x,) in make_loader(self.test_set, batch_size, shuffle=False):
+            terms = self.network.stack_objective(x.to(self.device), stack)  # type: ignore[operator]
+            sums += torch.stack([terms.reconstruction, terms.sparsity]).double() * len(x)
+        reconstruction, sparsity = (self._sum_over_replica(sums) / len(self.test_set)).tolist()  # type: ignore[arg-type]
+        return {
+            "test_loss": reconstruction + sparsity,
+            "test_reconstruction": reconstruction,
+            "test_sparsity": sparsity,
+        }
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The whole replica's weights, the optimizer's state and the RNG, in strategy
+        "single"'s format (`model_state`): a grid assembles its parts on every worker."""
+        if self.partitioned is None:
+            tensors, meta = model_state(self.network, self.optimizer)
+        else:
+            part, stack = self.partitioned, self.optimizer_stack
+            tensors = {f"model.{k}": v for k, v in part.global_state_dict().items()}
+            optim_tensors, optim_meta = optimizer_state(self.optimizer)
+            local_shape = part.stacks[stack].weight.shape
+            for name, value in optim_tensors.items():  # param 0 is the filters, 1 is alpha
+                if name.startswith("optim.0.") and value.shape == local_shape:
+                    value = part.gather_filters(stack, value)
+                tensors[name] = value
+            tensors["rng.torch"] = torch.get_rng_state()
+            meta = {"optimizer": optim_meta}
+        meta["stack"] = self.optimizer_stack
+        return {k: v.detach().cpu() for k, v in tensors.items()}, meta
+
+    def restore(self, tensors: dict[str, Tensor], meta: dict[str, Any], source: str) -> None:
+        """Continue from `state()`'s output (made under either strategy and any grid)."""
+        self.optimizer_stack = meta["stack"]
+        self.optimizer = self._optimizer_for(self.optimizer_stack)
+        self.step = meta["step"]
+        self._batches = None
+        if self.partitioned is None:
+            load_model_state(self.network, self.optimizer, tensors, meta, source)
+            return
+        part, stack = self.partitioned, self.optimizer_stack
+        weights = {
+            k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")
+        }
+        part.load_global_state_dict({k: v.to(self.device) for k, v in weights.items()})
+        global_shape = part.stacks[stack].global_weight_shape
+        optim_tensors = {}
+        for name, value in tensors.items():
+            if name.startswith("optim."):
+                if name.startswith("optim.0.") and tuple(value.shape) == global_shape:
+                    value = part.local_filters(stack, value)
+                optim_tensors[name] = value.to(self.device)
+        load_optimizer_state(self.optimizer, optim_tensors, meta["optimizer"])
+        torch.set_rng_state(tensors["rng.torch"])

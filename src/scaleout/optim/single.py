@@ -124,7 +124,7 @@ def train_single(config: RunConfig, run: RunDir, resume: bool = False) -> TrainR
     threads = torch.get_num_threads()
     try:
         if config.model.kind == "sparse_autoencoder":  # unsupervised, trained stack by stack
-            from scaleout.optim.greedy import train_greedy
+            from scaleout.optim.greedy_driver import train_greedy
 
             return train_greedy(config, run, resume)
         return _train_single(config, run, resume)

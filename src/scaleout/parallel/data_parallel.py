@@ -38,13 +38,12 @@ import ray
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ray.exceptions import RayActorError, RayTaskError
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
 from scaleout.build import build_datasets, build_model_for, build_optimizer, resolve_device
 from scaleout.checkpoint import load_checkpoint
-from scaleout.comm import GroupMember, ProcessGroup
+from scaleout.comm import GroupMember, ProcessGroup, WorkerDied
 from scaleout.config import RunConfig
 from scaleout.data import derive_seed, make_loader, num_batches
 from scaleout.data.prefetch import DevicePrefetcher
@@ -64,10 +63,6 @@ from scaleout.rundir import RunDir
 from scaleout.runtime import session
 
 __all__ = ["SyncTrainer", "SyncWorker", "WorkerDied", "average_tensors", "train_sync"]
-
-
-class WorkerDied(UserError):
-    """A synchronous worker died; the run stopped at its last checkpoint."""
 
 
 @torch.no_grad()
@@ -313,43 +308,15 @@ class SyncTrainer:
 
     def _get(self, futures: list[Any], doing: str) -> list[Any]:
         """Wait for one call on every worker; a dead worker stops the run (`WorkerDied`)."""
-        pending = list(futures)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except (RayTaskError, RayActorError):
-                # The survivors of a dead worker fail too (their collective loses a peer):
-                # give every call a moment to end, then blame a dead process first.
-                ray.wait(pending, num_returns=len(pending), timeout=3.0)
-                errors: list[tuple[int, BaseException]] = []
-                for rank, future in enumerate(futures):
-                    try:
-                        ray.get(future, timeout=0)
-                    except Exception as error:  # noqa: BLE001 - sorted below
-                        errors.append((rank, error))
-                for _, error in errors:
-                    if isinstance(error, RayTaskError) and isinstance(error.cause, UserError):
-                        raise UserError(str(error.cause)) from None
-                dead = [(r, e) for r, e in errors if isinstance(e, RayActorError)]
-                rank, error = (dead or errors)[0]
-                self._died(rank, doing, error)
-        return ray.get(futures)
+        return self.group.get(futures, doing, "sync worker", self._where)
 
-    def _died(self, rank: int, doing: str, error: BaseException) -> None:
+    def _where(self) -> str:
         latest = self.run.checkpoints.latest()
-        where = (
+        return f"at step {self.step}; " + (
             f"the last checkpoint is {latest} (continue with --resume)"
             if latest
             else "no checkpoint was written yet (start the run again)"
         )
-        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        pid = self.group.pids[rank] if rank < len(self.group.pids) else "?"
-        raise WorkerDied(
-            f"sync worker {rank} (pid {pid}) died while {doing} at step {self.step}: "
-            f"{cause[:200]}; synchronous training cannot continue without it, so the run "
-            f"stopped; {where}"
-        ) from None
 
     def checkpoint(self, record: dict[str, Any]) -> None:
         self._get([w.average_now.remote() for w in self.workers], "averaging")

@@ -247,6 +247,7 @@ class PartitionedAutoencoder(nn.Module):
                 f"{dist.get_world_size(group)}"
             )
         self.grid, self.rank, self.group = tuple(grid), rank, group
+        self.alpha_lr_scale = network.alpha_lr_scale
         stacks: list[PartitionedStack] = []
         owners: list[Window] | None = None
         for stack in network.stacks:
@@ -302,13 +303,26 @@ class PartitionedAutoencoder(nn.Module):
         them; each value has one non-zero term, so the result is exact. Alpha is replicated."""
         state = {}
         for k, stack in enumerate(self.stacks):
-            full = stack.weight.new_zeros(stack.global_weight_shape)
-            full[stack.units.slices] = stack.weight
-            if dist.is_initialized():
-                dist.all_reduce(full, group=self.group)
-            state[f"stacks.{k}.filter.weight"] = full
+            state[f"stacks.{k}.filter.weight"] = self.gather_filters(k, stack.weight)
             state[f"stacks.{k}.alpha"] = stack.alpha.detach().clone()
         return state
+
+    @torch.no_grad()
+    def gather_filters(self, index: int, local: Tensor) -> Tensor:
+        """A tensor shaped like stack `index`'s local filters (the weight, or its optimizer
+        state) assembled over the replica into the global weight's shape, on every worker:
+        each worker writes its part into zeros and one all-reduce sums them (one non-zero
+        term per value, so the sum is exact)."""
+        stack = self.stacks[index]
+        full = local.new_zeros(stack.global_weight_shape)
+        full[stack.units.slices] = local
+        if dist.is_initialized():
+            dist.all_reduce(full, group=self.group)
+        return full
+
+    def local_filters(self, index: int, full: Tensor) -> Tensor:
+        """This worker's part of a tensor of stack `index`'s global weight shape."""
+        return full[self.stacks[index].units.slices].clone()
 
     @torch.no_grad()
     def load_global_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -341,12 +355,16 @@ class PartitionedAutoencoder(nn.Module):
         for alpha, grad in zip(alphas, grads, strict=True):
             alpha.grad.copy_(grad)  # type: ignore[union-attr]
 
-    def stack_parameter_groups(self, index: int, lr: float, alpha_lr_scale: float) -> list[dict]:
-        """torch.optim groups for stack `index`, as `SparseAutoencoderNetwork` builds them."""
+    def stack_parameter_groups(
+        self, index: int, lr: float, alpha_lr_scale: float | None = None
+    ) -> list[dict]:
+        """torch.optim groups for stack `index`, as `SparseAutoencoderNetwork` builds them
+        (alpha's step is `lr * alpha_lr_scale`, the network's own scale by default)."""
         stack = self.stacks[index]
+        scale = self.alpha_lr_scale if alpha_lr_scale is None else alpha_lr_scale
         return [
             {"params": [stack.weight]},
-            {"params": [stack.alpha], "lr": lr * alpha_lr_scale},
+            {"params": [stack.alpha], "lr": lr * scale},
         ]
 
     def train_only(self, index: int) -> None:
