@@ -128,3 +128,46 @@ def test_model_parallel_needs_an_autoencoder(tmp_path):
     mlp = config.model_copy(update={"model": MLPModel(kind="mlp", sizes=[256, 2])})
     with pytest.raises(ConfigError, match='model.kind = "sparse_autoencoder"'):
         STRATEGIES["model_parallel"](mlp, RunDir.prepare(mlp), False)
+
+
+def downpour_config(tmp_path, name, num_replicas):
+    path = write_config(tmp_path, name, "downpour")
+    path.write_text(
+        path.read_text()
+        + f"[downpour]\nnum_replicas = {num_replicas}\nnum_shards = 2\nn_fetch = 1\nn_push = 1\n"
+    )
+    return path
+
+
+def test_one_grid_as_the_only_downpour_replica_equals_single(tmp_path, single_run, ray_session):
+    """Downpour with one replica that is a 1 x 2 grid, fetching and pushing every step: each
+    worker's shards apply its own filters' updates (in order: a shard runs one caller's calls
+    in turn), so the run is strategy "single"'s, weights and logged objective alike."""
+    assert main(["train", str(downpour_config(tmp_path, "dp1", 1))]) == 0
+    run = tmp_path / "runs" / "dp1"
+    ours, theirs = read_metrics(run / "metrics.jsonl"), read_metrics(single_run / "metrics.jsonl")
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs]
+    for mine, reference in zip(ours, theirs, strict=True):
+        for key in ("loss", "test_loss"):
+            if key in reference:
+                assert mine[key] == pytest.approx(reference[key], rel=1e-4), (mine["step"], key)
+    mine, meta = weights(run)
+    reference, _ = weights(single_run)
+    assert meta["strategy"] == "downpour"
+    for key, value in reference.items():
+        if key.startswith("model."):
+            torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_two_grid_replicas_train_through_their_shards(tmp_path, ray_session):
+    """Two 1 x 2 grids: every worker pushes every step to its own shards; the objective falls
+    and the summary counts the pushes of 2 replicas x 2 workers x 2 stacks x 6 steps."""
+    config = load_config(downpour_config(tmp_path, "dp2", 2))
+    result = STRATEGIES["downpour"](config, RunDir.prepare(config), False)
+    assert result.step == 12 and result.summary["num_replicas"] == 2
+    assert result.summary["pushes"] == 2 * 2 * 2 * 6
+    records = read_metrics(tmp_path / "runs" / "dp2" / "metrics.jsonl")
+    first_stack = [r["loss"] for r in records if r["stack"] == 1]
+    assert first_stack[-1] < first_stack[0]
+    assert records[-1]["examples"] == 2 * 12 * 32  # both replicas' minibatches

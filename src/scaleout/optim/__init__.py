@@ -15,6 +15,10 @@ Strategy = Callable[[RunConfig, RunDir, bool], TrainResult]
 
 
 def train_downpour(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
+    if config.model.kind == "sparse_autoencoder":  # replicas are grids, trained greedily
+        from scaleout.parallel.model_parallel import train_model_parallel
+
+        return train_model_parallel(config, run, resume)
     from scaleout.optim.downpour import train_downpour as train  # imports Ray only when used
 
     return train(config, run, resume)

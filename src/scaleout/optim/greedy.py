@@ -84,6 +84,7 @@ class GreedyTrainer:
         model_parallel: bool = False,
         rank: int = 0,
         group: dist.ProcessGroup | None = None,
+        replica: tuple[int, int] = (0, 1),
     ) -> None:
         self.config, self.train_cfg = config, config.train
         self.device = resolve_device(config.run.device)
@@ -92,6 +93,11 @@ class GreedyTrainer:
         torch.manual_seed(config.run.seed)
         self.train_set, self.test_set = build_datasets(config)
         _check_data_shape(config, self.train_set)
+        self.rank, (replica_id, num_replicas) = rank, replica
+        if num_replicas > 1:  # Downpour: each replica owns a disjoint part of the data
+            from scaleout.optim.replica import data_part
+
+            self.train_set = data_part(self.train_set, replica_id, num_replicas)
         # initialised globally with the seed, then partitioned: the same start on any grid
         network = build_model_for(config, self.train_set).to(self.device)
         assert isinstance(network, SparseAutoencoderNetwork)
@@ -130,6 +136,7 @@ class GreedyTrainer:
         self.optimizer_stack = 0
         self.optimizer = self._optimizer_for(0)
         self._batches: Any = None
+        self.link: Any = None  # a ShardLink while Downpour trains a stack (`attach`)
 
     def get_plan(self) -> GreedyPlan:
         return self.plan
@@ -196,12 +203,17 @@ class GreedyTrainer:
             x = self._next_batch()
             if self.step % plan.steps_per_stack == 0:  # a stack's first minibatch: alpha there
                 self._fit_alpha(x, stack)
+            if self.link is not None:
+                self.link.before_step()  # a fetch from the shards overrides the alpha fit
             terms: ObjectiveTerms = network.stack_objective(x, stack)
             self.optimizer.zero_grad(set_to_none=True)
             terms.total.backward()
             if self.partitioned is not None:
                 self.partitioned.sync_grads()
-            self.optimizer.step()
+            if self.link is not None:
+                self.link.after_backward()  # the shards apply the update
+            else:
+                self.optimizer.step()
             self.step += 1
             examples += len(x)
             sums += torch.stack([terms.reconstruction, terms.sparsity]).detach() * len(x)
@@ -223,7 +235,10 @@ class GreedyTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Per-example reconstruction and sparsity of the current stack on the test set."""
+        """Per-example reconstruction and sparsity of the current stack on the test set
+        (with Downpour: of the shards' current parameters)."""
+        if self.link is not None:
+            self.link.pull()
         stack = max(self.step - 1, 0) // self.plan.steps_per_stack  # the last trained step's
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         batch_size = self.train_cfg.eval_batch_size
@@ -241,7 +256,10 @@ class GreedyTrainer:
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The whole replica's weights, the optimizer's state and the RNG, in strategy
-        "single"'s format (`model_state`): a grid assembles its parts on every worker."""
+        "single"'s format (`model_state`): a grid assembles its parts on every worker.
+        With Downpour, the parameters are the shards' (their optimizer state stays there)."""
+        if self.link is not None:
+            self.link.pull()
         if self.partitioned is None:
             tensors, meta = model_state(self.network, self.optimizer)
         else:
@@ -281,3 +299,56 @@ class GreedyTrainer:
                 optim_tensors[name] = value.to(self.device)
         load_optimizer_state(self.optimizer, optim_tensors, meta["optimizer"])
         torch.set_rng_state(tensors["rng.torch"])
+
+    # --- Downpour: the stack in training lives on parameter-server shards ----------------------
+
+    def _stack_params(self, stack: int) -> tuple[Tensor, Tensor | None]:
+        """What this worker keeps on shards: the stack's filters (its part of them), and
+        alpha on rank 0 (the grid's other workers get it broadcast)."""
+        if self.partitioned is not None:
+            part = self.partitioned.stacks[stack]
+            return part.weight, part.alpha if self.rank == 0 else None
+        network: Any = self.network
+        return network.stacks[stack].filter.weight, network.stacks[stack].alpha
+
+    @torch.no_grad()
+    def begin_stack(self, stack: int) -> tuple[Tensor, Tensor | None]:
+        """At the stack's start, fit its alpha on the first minibatch; return the values its
+        shards start from: the filters (P_w,) and alpha (1,) or None (called on one
+        replica)."""
+        if self.step == stack * self.plan.steps_per_stack:  # not when resuming mid-stack
+            self._batches = None
+            self._fit_alpha(self._next_batch(), stack)
+            self._batches = None  # training starts from the same first minibatch
+        weight, alpha = self._stack_params(stack)
+        flat_alpha = None if alpha is None else alpha.detach().reshape(1).cpu()
+        return weight.detach().reshape(-1).cpu(), flat_alpha
+
+    def attach(self, stack: int, servers: tuple[Any, Any], n_fetch: int, n_push: int) -> None:
+        """Train stack `stack` through `servers` (this worker's shards: its filters', and
+        alpha's or None) from now on."""
+        from scaleout.parallel.model_parallel.shards import ShardLink
+
+        if stack != self.optimizer_stack:
+            self.optimizer, self.optimizer_stack = self._optimizer_for(stack), stack
+        weight, alpha = self._stack_params(stack)
+        lanes = [([weight], servers[0])]
+        if alpha is not None:
+            lanes.append(([alpha], servers[1]))
+        after_pull = None
+        if self.partitioned is not None and dist.is_initialized():
+            shared_alpha = self.partitioned.stacks[stack].alpha
+
+            def after_pull() -> None:
+                dist.broadcast(shared_alpha.data, src=0, group=self.group)
+
+        self.link = ShardLink(lanes, n_fetch, n_push, after_pull)
+
+    def finish_stack(self) -> dict[str, Any]:
+        """Flush the last gradients, adopt the final values; return the link's statistics."""
+        if self.link is None:
+            return {}
+        self.link.flush()
+        stats = {**self.link.stats, "staleness": self.link.staleness}
+        self.link = None
+        return stats
