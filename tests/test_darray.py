@@ -80,14 +80,24 @@ def expect(condition: bool, what: str) -> None:
         FAILURES.append(f"rank {dist.get_rank()}: {what}")
 
 
+def hwcn(x: torch.Tensor) -> torch.Tensor:
+    """`x` (N, C, H, W) stored in (H, W, C, N) order, as the locally connected layers do."""
+    return x.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
+
+
 def check(name: str, outputs: list[Window], inputs: list[Window], group, transport: str) -> None:
+    """Over p2p the local arrays are in (H, W, C, N) order, and buffers must keep it."""
     rank = dist.get_rank(group)
     seed = zlib.crc32(name.encode())  # the same in every process (unlike hash)
     locals_, weights, buffers, local_grads = reference(outputs, inputs, seed)
     array = DistributedArray(outputs, inputs, group=group, transport=transport)
-    local = locals_[rank].clone().requires_grad_(True)
+    layout = hwcn if transport == "p2p" else torch.clone
+    local = layout(locals_[rank]).requires_grad_(True)
     buffer = array(local)
     expect(torch.equal(buffer, buffers[rank]), f"{name} {transport}: buffer")
+    # (a view of `local` when identity; an empty `local` has no layout to keep)
+    if buffer.numel() > 1 and local.numel() > 1 and not array.plan.is_identity:
+        expect(layout(buffer).stride() == buffer.stride(), f"{name} {transport}: layout")
     (buffer * weights[rank]).sum().backward()
     expect(torch.equal(local.grad, local_grads[rank]), f"{name} {transport}: gradient")
 
@@ -181,6 +191,25 @@ def test_single_worker_exchange_is_a_local_copy_without_a_group() -> None:
     expected = torch.zeros(2, 3, 6, 5)
     expected[..., 1:5, 2:5] = 1
     assert torch.equal(local.grad, expected)
+
+
+def test_exchange_keeps_the_memory_layout_and_zeroes_what_nobody_owns() -> None:
+    """An input window reaching past the output: the unowned border is zero (the buffer is
+    not a tiling, so it is zeroed first), in the local array's (H, W, C, N) order; an input
+    window inside the output window is a view of the local array."""
+    owned = Window(range(0, 4), range(0, 5))
+    wider = Window(range(0, 6), range(1, 5))
+    plan = ExchangePlan.build(0, [owned], [wider])
+    assert not plan.receives_tile and not plan.is_identity
+    local = torch.randn(3, 2, 4, 5).permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)
+    buffer = exchange(local, plan)
+    expected = torch.zeros(3, 2, 6, 4)
+    expected[..., :4, :] = local[..., 1:5]
+    assert torch.equal(buffer, expected)
+    assert buffer.permute(2, 3, 1, 0).is_contiguous()
+    inner = ExchangePlan.build(0, [owned], [Window(range(1, 3), range(0, 5))])
+    assert inner.receives_tile and inner.is_identity
+    assert exchange(local, inner).data_ptr() == local[..., 1:3, :].data_ptr()
 
 
 def test_plan_pieces_and_bytes() -> None:

@@ -22,6 +22,11 @@ Communication schedule of one exchange (forward or backward), on every worker i 
    exchanged), or `batch_isend_irecv` with one send / receive per non-empty piece;
 3. add every received piece, and the worker's own piece out_i ∩ in_i (never sent), into a
    zero buffer over in_i, in the order of the sending rank, so the sums are deterministic.
+   Where the pieces tile in_i (the forward pass) they are copied, with no zeroing; where the
+   worker's own piece is all of in_i, the buffer is a view of its local array.
+
+Buffers keep the memory layout of the local array (the layers keep theirs in (H, W, C, N)
+order), so copying into them and reading them are contiguous.
 
 With a `codec` (`scaleout.compress`, e.g. dynamic8: the 8-bit paper's model-parallel use)
 each piece sent to another worker is encoded and packed into bytes before step 2 and decoded
@@ -38,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -105,6 +111,20 @@ class ExchangePlan:
             self.collective,
         )
 
+    @cached_property
+    def receives_tile(self) -> bool:
+        """Whether the received pieces cover the input window exactly once (no zeroing and no
+        sums needed: each piece is copied into its place)."""
+        pieces = [p for _, p in self.receives]
+        if sum(p.num_pixels for p in pieces) != self.input.num_pixels:
+            return False
+        return all(a.intersect(b).is_empty for k, a in enumerate(pieces) for b in pieces[k + 1 :])
+
+    @cached_property
+    def is_identity(self) -> bool:
+        """Whether the buffer is the worker's own values over its input window alone."""
+        return self.receives == ((self.rank, self.input),)
+
     def bytes_sent(self, batch: int, channels: int, element_size: int = 4) -> int:
         """Bytes this worker sends to other workers in one exchange."""
         pixels = sum(p.num_pixels for j, p in self.sends if j != self.rank)
@@ -117,6 +137,17 @@ def _check_local(local: Tensor, window: Window) -> None:
             f"local array has shape {tuple(local.shape)}; the worker's window needs "
             f"(N, C, {window.shape[0]}, {window.shape[1]})"
         )
+
+
+def _empty_like(local: Tensor, shape: tuple[int, int]) -> Tensor:
+    """An uninitialised (N, C, *shape) array with `local`'s order of dimensions in memory."""
+    n, c = local.shape[:2]
+    sizes = (n, c, *shape)
+    order = [0, 1, 2, 3]
+    if not local.is_contiguous():
+        order = sorted(order, key=lambda d: -local.stride(d))  # outermost first
+    buffer = local.new_empty([sizes[d] for d in order])
+    return buffer.permute([order.index(d) for d in range(4)])
 
 
 def _layout_like(codec: Codec, shape: tuple[int, ...], like: Tensor) -> Encoded:
@@ -174,14 +205,22 @@ def exchange(
             codec.decode(unpack(t, e)).to(local.dtype)
             for t, e in zip(incoming, layouts, strict=True)
         ]
-    buffer = local.new_zeros(n, c, *plan.input.shape)  # (N, C, in rows, in cols)
+    if plan.is_identity:
+        return local[(..., *plan.input.relative_to(plan.output))]
+    buffer = _empty_like(local, plan.input.shape)  # (N, C, in rows, in cols)
+    if not plan.receives_tile:
+        buffer.zero_()
     received = iter(incoming)
     for j, piece in plan.receives:  # by sending rank: deterministic sums
         target = buffer[(..., *piece.relative_to(plan.input))]
         if j == plan.rank:
-            target += local[(..., *piece.relative_to(plan.output))]
+            value = local[(..., *piece.relative_to(plan.output))]
         else:
-            target += next(received).view(n, c, *piece.shape)
+            value = next(received).view(n, c, *piece.shape)
+        if plan.receives_tile:
+            target.copy_(value)
+        else:
+            target += value
     return buffer
 
 
@@ -254,7 +293,7 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        grad_local = exchange(grad.contiguous(), ctx.plan.transposed(), *ctx.options)
+        grad_local = exchange(grad, ctx.plan.transposed(), *ctx.options)
         return grad_local, None, None, None, None
 
 

@@ -1,0 +1,156 @@
+"""The update the `model_parallel` suite times: one update of all layers of a plain or a
+partitioned sparse-autoencoder network, and a meter of its exchanges (see the suite's
+docstring in `scaleout.bench.model_parallel`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from scaleout.comm import darray
+from scaleout.nn.autoencoder import (
+    SparseAutoencoderNetwork,
+    SparseAutoencoderStack,
+    tied_autoencode,
+)
+from scaleout.parallel.model_parallel import PartitionedAutoencoder, PartitionedStack
+
+LAYOUT = dict(  # configs/autoencoder_small.toml's three stacks
+    in_channels=1,
+    num_stacks=3,
+    field=[12, 6, 6],
+    step=[4, 2, 2],
+    block=[[4, 4, 8], [2, 2, 8], [2, 2, 8]],
+    pool_size=3,
+    lcn_size=5,
+    sparsity_weight=1.0,
+    eps=0.01,
+    alpha_lr_scale=1e-4,
+)
+MOMENTUM = 0.9
+
+
+def network(size: int, seed: int = 0) -> SparseAutoencoderNetwork:
+    """The suite's network on size x size inputs; the same seed gives the same weights."""
+    torch.manual_seed(seed)
+    return SparseAutoencoderNetwork(in_size=size, **LAYOUT)  # type: ignore[arg-type]
+
+
+def stack_pass(
+    stack: SparseAutoencoderStack | PartitionedStack, h: Tensor, features: bool
+) -> tuple[Tensor, Tensor | None]:
+    """One stack of the joint update: its objective (eq. 1 per example; this worker's part)
+    and, when `features`, its output for the next stack, from one pass: the codes of the
+    fused `tied_autoencode` feed both the sparsity term and the features, so W x is computed
+    once, without weight-sized temporaries, and (partitioned) the input and the codes are
+    exchanged once. The libraries offer the two halves separately (`objective`, `forward`);
+    this is both at once, built from the same parts (`PartitionedStack`'s private helpers
+    included: the same code paths as its `objective` and `forward`)."""
+    n = h.shape[0]
+    if isinstance(stack, PartitionedStack):
+        xi = stack._filter_input(h)
+        codes, recon = tied_autoencode(xi, stack.weight, stack.alpha, stack.geometry)
+        recon = stack.to_owners(recon)  # summed onto the owners of the input pixels
+        residual = (recon - stack._owned_input(h)).square() * stack.coverage
+        pooled = stack._pool(codes)
+        out = None
+        if features:
+            normalised = stack.lcn(stack.to_lcn(pooled))
+            out = normalised[(..., *stack.lcn_output.relative_to(stack.lcn_input))]
+    else:
+        codes, recon = tied_autoencode(h, stack.filter.weight, stack.alpha, stack.geometry)
+        residual = (recon - h).square()
+        if not bool(stack.coverage.all()):
+            residual = residual * stack.coverage
+        pooled = stack.pool(codes)
+        out = stack.lcn(pooled) if features else None
+    return residual.sum() / n + stack.sparsity_weight * pooled.sum() / n, out
+
+
+def joint_objective(stacks: Sequence[nn.Module], x: Tensor, composed: bool = False) -> Tensor:
+    """Sum of every stack's objective on its own input, differentiable through all stacks
+    (the paper's update of all layers). `stacks`: a `SparseAutoencoderNetwork`'s or a
+    `PartitionedAutoencoder`'s (x then the whole minibatch, on every worker). `composed`:
+    from each stack's `objective` and `forward` (the public API: W x twice per stack, the
+    second through the differentiable `encode`), instead of `stack_pass`."""
+    total, h = x.new_zeros(()), x
+    for k, stack in enumerate(stacks):
+        features = k + 1 < len(stacks)
+        if composed:
+            total = total + stack.objective(h).total
+            h = stack(h) if features else h
+        else:
+            objective, out = stack_pass(stack, h, features)  # type: ignore[arg-type]
+            total, h = total + objective, out if features else h  # type: ignore[assignment]
+    return total
+
+
+def stack_groups(
+    model: SparseAutoencoderNetwork | PartitionedAutoencoder, index: int, lr: float
+) -> list[dict]:
+    """Stack `index`'s optimizer groups: filters at `lr`, alpha at `lr * alpha_lr_scale`."""
+    if isinstance(model, PartitionedAutoencoder):
+        return model.stack_parameter_groups(index, lr, LAYOUT["alpha_lr_scale"])  # type: ignore[arg-type]
+    return model.stack_parameter_groups(index, lr)
+
+
+class Updater:
+    """One joint update of a plain or partitioned network: zero, objective, backward, sync,
+    SGD momentum (filters at lr, alpha at lr * alpha_lr_scale, as greedy training)."""
+
+    def __init__(self, model: SparseAutoencoderNetwork | PartitionedAutoencoder, lr: float) -> None:
+        self.model = model
+        groups = [g for k in range(model.num_stacks) for g in stack_groups(model, k, lr)]
+        self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=MOMENTUM)
+
+    def step(self, x: Tensor, composed: bool = False) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        joint_objective(self.model.stacks, x, composed).backward()
+        if isinstance(self.model, PartitionedAutoencoder):
+            self.model.sync_grads()
+        self.optimizer.step()
+
+
+class ExchangeMeter:
+    """Seconds in exchanges and in their transfers, and bytes sent to other workers, since
+    `reset` (see the module docstring). Install with `metering()` in a worker process."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.exchange_s = self.transfer_s = 0.0
+        self.bytes_sent = 0
+        self.transfer_starts: list[float] = []  # perf_counter: one clock for all processes
+
+    @contextmanager
+    def metering(self) -> Iterator[ExchangeMeter]:
+        exchange, all_to_all = darray.exchange, dist.all_to_all_single
+
+        def timed_exchange(*args: Any, **kwargs: Any) -> Tensor:  # noqa: ANN401
+            started = time.perf_counter()
+            try:
+                return exchange(*args, **kwargs)
+            finally:
+                self.exchange_s += time.perf_counter() - started
+
+        def timed_all_to_all(output: Tensor, send: Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+            self.bytes_sent += send.numel() * send.element_size()
+            started = time.perf_counter()
+            self.transfer_starts.append(started)
+            try:
+                return all_to_all(output, send, *args, **kwargs)
+            finally:
+                self.transfer_s += time.perf_counter() - started
+
+        darray.exchange, dist.all_to_all_single = timed_exchange, timed_all_to_all
+        try:
+            yield self
+        finally:
+            darray.exchange, dist.all_to_all_single = exchange, all_to_all
