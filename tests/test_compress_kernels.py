@@ -17,9 +17,10 @@ def sample(n: int) -> torch.Tensor:
 @pytest.mark.slow  # compiling takes from seconds (cached) to a minute (first time)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [None, 1024])
-def test_compiled_kernels_equal_reference_and_eager(dtype, block_size):
+@pytest.mark.parametrize("n", [64 * 1024, 64 * 1024 + 1])  # odd: no decoding by pairs
+def test_compiled_kernels_equal_reference_and_eager(dtype, block_size, n):
     table = kernels.lookup("dynamic8", "paper", torch.device("cpu"))
-    x = sample(64 * 1024).to(dtype)
+    x = sample(n).to(dtype)
     with kernels.compiling("always"):
         codes, scales, num_bad = kernels.encode(x, None, table, block_size)
         decoded = kernels.decode(codes, scales, table, block_size)
@@ -33,6 +34,29 @@ def test_compiled_kernels_equal_reference_and_eager(dtype, block_size):
     assert torch.equal(codes, reference) and torch.equal(eager_codes, reference)
     assert torch.equal(given, reference)
     torch.testing.assert_close(decoded, eager_decoded, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # compiles
+@pytest.mark.parametrize("block_size", [None, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decoding_by_pairs_equals_one_at_a_time(block_size, dtype):
+    """Every pair of codes, from an even and from an odd address (the latter is decoded one
+    code at a time), gives values[code] * scale exactly, rounded once to `dtype`."""
+    table = kernels.lookup("dynamic8_bnb", "nearest", torch.device("cpu"))
+    every_pair = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.uint8)
+    buffer = torch.cat([torch.zeros(1, dtype=torch.uint8), every_pair])
+    num_blocks = 1 if block_size is None else every_pair.numel() // block_size
+    scales = torch.rand(num_blocks, 1, generator=torch.Generator().manual_seed(0)) + 0.5
+    per_code = scales.repeat_interleave(block_size or every_pair.numel(), dim=0).view(-1)
+    expected = (table.values[every_pair.long()] * per_code).to(dtype)
+    unaligned = buffer[1:]  # the same codes from an odd address
+    assert unaligned.data_ptr() % 2 == 1 and torch.equal(unaligned, every_pair)
+    with kernels.compiling("always"):
+        assert kernels._reads_pairs(every_pair, block_size)
+        assert not kernels._reads_pairs(unaligned, block_size)
+        for codes in (every_pair, unaligned):
+            decoded = kernels.decode(codes, scales, table, block_size, dtype)
+            assert decoded.dtype == dtype and torch.equal(decoded, expected)
 
 
 def test_eager_kernels_equal_reference_with_ragged_blocks():

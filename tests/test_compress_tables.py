@@ -196,9 +196,7 @@ def test_bit_pattern_lookup_equals_searchsorted(name, rounding):
         x.view(1, -1),
         scales,
         table.entries,
-        shift=table.shift,
-        num_bins=table.num_bins,
-        top_bits=table.top_bits,
+        **table.static,
     )[0]
     reference = kernels.encode_reference(x, scales, table, None)
     torch.testing.assert_close(fast.view(torch.uint8).view(-1), reference, rtol=0, atol=0)

@@ -243,5 +243,5 @@ class TableCodec(Codec):
         table = kernels.lookup(self.table_name, "nearest", device)  # values: any rounding
         scales = encoded.scales.to(device, torch.float32).view(-1, 1)
         block = encoded.block_size or None
-        values = kernels.decode(encoded.codes, scales, table, block)
-        return values.to(encoded.dtype).view(encoded.shape)
+        values = kernels.decode(encoded.codes, scales, table, block, encoded.dtype)
+        return values.view(encoded.shape)
