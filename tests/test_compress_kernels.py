@@ -44,6 +44,7 @@ def test_decoding_by_pairs_equals_one_at_a_time(block_size, dtype):
     code at a time), gives values[code] * scale exactly, rounded once to `dtype`."""
     table = kernels.lookup("dynamic8_bnb", "nearest", torch.device("cpu"))
     every_pair = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.uint8)
+    every_pair = every_pair.repeat(kernels.PAIRS_MIN_NUMEL // every_pair.numel())
     buffer = torch.cat([torch.zeros(1, dtype=torch.uint8), every_pair])
     num_blocks = 1 if block_size is None else every_pair.numel() // block_size
     scales = torch.rand(num_blocks, 1, generator=torch.Generator().manual_seed(0)) + 0.5

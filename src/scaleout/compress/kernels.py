@@ -55,6 +55,7 @@ import torch
 from scaleout.compress.tables import CodeTable, Rounding, get_table
 
 COMPILE_MIN_NUMEL = 1 << 20
+PAIRS_MIN_NUMEL = 1 << 18  # building a scaled pair table (131072 values) pays off from here
 _MODES = ("auto", "always", "never")
 _ABS_MASK = 0x7FFFFFFF
 _EXP_ALL_ONES = 0x7F800000  # |bits| >= this: Inf or NaN
@@ -358,10 +359,12 @@ def encode(
 
 
 def _reads_pairs(codes: torch.Tensor, block_size: int | None) -> bool:
-    """Whether to decode two codes per gather: compiled, on CPU, little-endian, and every
-    block (and so the tail) of an even length starting at an even address."""
+    """Whether to decode two codes per gather: compiled, on CPU, little-endian, at least
+    `PAIRS_MIN_NUMEL` codes, and every block (and so the tail) of an even length starting at
+    an even address."""
     return (
         _use_compiled(codes)
+        and codes.numel() >= PAIRS_MIN_NUMEL
         and codes.device.type == "cpu"
         and sys.byteorder == "little"
         and codes.is_contiguous()
