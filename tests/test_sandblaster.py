@@ -168,7 +168,11 @@ def scipy_softmax_regression(num_train: int, l2: float) -> float:
 @pytest.mark.slow
 def test_convex_objective_matches_scipy_and_decreases(ray_session, tmp_path):
     run = sandblaster(
-        tmp_path, "sb", "sandblaster.tolerance_grad=1e-7", iterations=1000, num_train=1000,
+        tmp_path,
+        "sb",
+        "sandblaster.tolerance_grad=1e-7",
+        iterations=1000,
+        num_train=1000,
         portion=250,
     )
     result = run.train()
