@@ -126,6 +126,26 @@ def test_gradient_matches_finite_differences(spec):
     assert torch.autograd.gradcheck(lambda *a: tied_autoencode(*a, g), (x, weight, alpha))
 
 
+@pytest.mark.parametrize("spec", GEOMETRIES[:2])
+def test_objective_and_features_equal_objective_and_forward(spec):
+    """One pass gives what `objective` and `forward` give apart, values and gradients."""
+    stack = make_stack(*spec)
+    x = torch.randn(3, *stack.geometry.in_shape, dtype=torch.float64, requires_grad=True)
+    probe = torch.randn(stack(x).shape, dtype=torch.float64)
+
+    def gradients(loss: torch.Tensor) -> list[torch.Tensor]:
+        return torch.autograd.grad(loss, [x, stack.filter.weight, stack.alpha])
+
+    terms, features = stack.objective_and_features(x)
+    apart_terms, apart_features = stack.objective(x), stack(x)
+    torch.testing.assert_close(torch.stack(terms), torch.stack(apart_terms))
+    torch.testing.assert_close(features, apart_features)
+    one_pass = gradients(terms.total + (features * probe).sum())
+    two_passes = gradients(apart_terms.total + (apart_features * probe).sum())
+    for ours, theirs in zip(one_pass, two_passes, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
 def test_fit_alpha_minimises_the_reconstruction_over_alpha():
     stack = make_stack(*GEOMETRIES[1])  # with uncovered pixels
     x = torch.randn(4, *stack.geometry.in_shape, dtype=torch.float64)

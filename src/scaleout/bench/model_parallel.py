@@ -8,9 +8,9 @@ parameter. The library trains greedily (`stack_objective`: the stacks below unde
 and has no joint update, so it is built here (`joint_objective`) in two ways, both held to
 the single-process network's gradients by the tests:
 
-- one pass per stack (`stack_pass`, the main rows): the codes of the fused
-  `tied_autoencode` give the sparsity term and the features for the next stack, so W x is
-  computed once per stack and the stack's input and codes are exchanged once;
+- one pass per stack (each stack's `objective_and_features`, the main rows): the codes of
+  the fused `tied_autoencode` give the sparsity term and the features for the next stack,
+  so W x is computed once per stack and the stack's input and codes are exchanged once;
 - composed from the public `objective` and `forward` of each stack ("composed update", for
   context): W x twice per stack, the second time through the differentiable `encode`, whose
   weight-sized temporaries (normalised W, and its gradient) make the single process much

@@ -16,10 +16,8 @@ from torch import Tensor, nn
 from scaleout.comm import darray
 from scaleout.nn.autoencoder import (
     SparseAutoencoderNetwork,
-    SparseAutoencoderStack,
-    tied_autoencode,
 )
-from scaleout.parallel.model_parallel import PartitionedAutoencoder, PartitionedStack
+from scaleout.parallel.model_parallel import PartitionedAutoencoder
 
 LAYOUT = dict(  # configs/autoencoder_small.toml's three stacks
     in_channels=1,
@@ -42,52 +40,24 @@ def network(size: int, seed: int = 0) -> SparseAutoencoderNetwork:
     return SparseAutoencoderNetwork(in_size=size, **LAYOUT)  # type: ignore[arg-type]
 
 
-def stack_pass(
-    stack: SparseAutoencoderStack | PartitionedStack, h: Tensor, features: bool
-) -> tuple[Tensor, Tensor | None]:
-    """One stack of the joint update: its objective (eq. 1 per example; this worker's part)
-    and, when `features`, its output for the next stack, from one pass: the codes of the
-    fused `tied_autoencode` feed both the sparsity term and the features, so W x is computed
-    once, without weight-sized temporaries, and (partitioned) the input and the codes are
-    exchanged once. The libraries offer the two halves separately (`objective`, `forward`);
-    this is both at once, built from the same parts (`PartitionedStack`'s private helpers
-    included: the same code paths as its `objective` and `forward`)."""
-    n = h.shape[0]
-    if isinstance(stack, PartitionedStack):
-        xi = stack._filter_input(h)
-        codes, recon = tied_autoencode(xi, stack.weight, stack.alpha, stack.geometry)
-        recon = stack.to_owners(recon)  # summed onto the owners of the input pixels
-        residual = (recon - stack._owned_input(h)).square() * stack.coverage
-        pooled = stack._pool(codes)
-        out = None
-        if features:
-            normalised = stack.lcn(stack.to_lcn(pooled))
-            out = normalised[(..., *stack.lcn_output.relative_to(stack.lcn_input))]
-    else:
-        codes, recon = tied_autoencode(h, stack.filter.weight, stack.alpha, stack.geometry)
-        residual = (recon - h).square()
-        if not bool(stack.coverage.all()):
-            residual = residual * stack.coverage
-        pooled = stack.pool(codes)
-        out = stack.lcn(pooled) if features else None
-    return residual.sum() / n + stack.sparsity_weight * pooled.sum() / n, out
-
-
 def joint_objective(stacks: Sequence[nn.Module], x: Tensor, composed: bool = False) -> Tensor:
     """Sum of every stack's objective on its own input, differentiable through all stacks
     (the paper's update of all layers). `stacks`: a `SparseAutoencoderNetwork`'s or a
     `PartitionedAutoencoder`'s (x then the whole minibatch, on every worker). `composed`:
     from each stack's `objective` and `forward` (the public API: W x twice per stack, the
-    second through the differentiable `encode`), instead of `stack_pass`."""
+    second through the differentiable `encode`), instead of `objective_and_features`
+    (W x once per stack)."""
     total, h = x.new_zeros(()), x
     for k, stack in enumerate(stacks):
         features = k + 1 < len(stacks)
         if composed:
             total = total + stack.objective(h).total
             h = stack(h) if features else h
+        elif features:
+            terms, h = stack.objective_and_features(h)
+            total = total + terms.total
         else:
-            objective, out = stack_pass(stack, h, features)  # type: ignore[arg-type]
-            total, h = total + objective, out if features else h  # type: ignore[assignment]
+            total = total + stack.objective(h).total
     return total
 
 

@@ -288,20 +288,32 @@ class SparseAutoencoderStack(nn.Module):
         codes, recon = tied_autoencode(x, self.filter.weight, self.alpha, self.geometry)
         return self._terms(x, codes, recon)
 
+    def objective_and_features(self, x: Tensor) -> tuple[ObjectiveTerms, Tensor]:
+        """Eq. 1 per example and the stack's output (`forward`) from one pass: the codes of
+        the fused tied autoencoder feed both the sparsity term and the features, so W x is
+        computed once. Both are differentiable: training all stacks at once (the paper's
+        update of all layers) backpropagates through the features into the stacks below."""
+        codes, recon = tied_autoencode(x, self.filter.weight, self.alpha, self.geometry)
+        pooled = self.pool(codes)
+        return self._terms(x, codes, recon, pooled), self.lcn(pooled)
+
     def objective_reference(self, x: Tensor) -> ObjectiveTerms:
         """Eq. 1 per example through the generic layers and autograd (for testing)."""
         weight = normalize_rows(self.filter.weight)
         codes = self.alpha * local_linear(x, weight, self.geometry)
         return self._terms(x, codes, local_linear_t(codes, weight, self.geometry))
 
-    def _terms(self, x: Tensor, codes: Tensor, recon: Tensor) -> ObjectiveTerms:
+    def _terms(
+        self, x: Tensor, codes: Tensor, recon: Tensor, pooled: Tensor | None = None
+    ) -> ObjectiveTerms:
+        """The two terms from the codes and the reconstruction (`pooled`: pool(codes))."""
         n = x.shape[0]
         residual = (recon - x).square()
         if not bool(self.coverage.all()):
             residual = residual * self.coverage
         reconstruction = residual.sum() / n
-        sparsity = self.sparsity_weight * self.pool(codes).sum() / n
-        return ObjectiveTerms(reconstruction, sparsity)
+        pooled = self.pool(codes) if pooled is None else pooled
+        return ObjectiveTerms(reconstruction, self.sparsity_weight * pooled.sum() / n)
 
     def flops_per_example(self) -> dict[str, int]:
         """Forward FLOPs of the filter, pooling and normalisation layers, per example."""

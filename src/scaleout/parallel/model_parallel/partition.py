@@ -201,14 +201,26 @@ class PartitionedStack(nn.Module):
 
     def objective(self, x: Tensor) -> ObjectiveTerms:
         """This worker's part of eq. 1 (per example); the parts of all workers sum to it."""
+        return self._objective(x)[0]
+
+    def objective_and_features(self, x: Tensor) -> tuple[ObjectiveTerms, Tensor]:
+        """`SparseAutoencoderStack.objective_and_features` on this worker's part: its part
+        of eq. 1 and the features over `feature_windows[rank]`, with W x, the exchange of the
+        input and that of the codes done once for both."""
+        terms, pooled = self._objective(x)
+        normalised = self.lcn(self.to_lcn(pooled))
+        return terms, _crop(normalised, self.lcn_output, self.lcn_input)
+
+    def _objective(self, x: Tensor) -> tuple[ObjectiveTerms, Tensor]:
+        """This worker's part of eq. 1, and its pooled codes."""
         xi = self._filter_input(x)
         codes, recon = tied_autoencode(xi, self.weight, self.alpha, self.geometry)
         recon = self.to_owners(recon)  # summed over every worker whose fields reach here
         n = xi.shape[0]
         residual = (recon - self._owned_input(x)).square() * self.coverage
-        reconstruction = residual.sum() / n
-        sparsity = self.sparsity_weight * self._pool(codes).sum() / n
-        return ObjectiveTerms(reconstruction, sparsity)
+        pooled = self._pool(codes)
+        terms = ObjectiveTerms(residual.sum() / n, self.sparsity_weight * pooled.sum() / n)
+        return terms, pooled
 
 
 def _padding(pool: L2Pool2d, output: Window, clipped: Window) -> tuple[int, int, int, int]:
