@@ -14,7 +14,7 @@ from scaleout.config import load_config
 from scaleout.data import natural_image_patches
 from scaleout.info import describe_model
 from scaleout.metrics import read_metrics
-from scaleout.nn import MODELS, SparseAutoencoderNetwork, SparseAutoencoderStack, build_model
+from scaleout.nn import MODELS, SparseAutoencoderNetwork, SparseAutoencoderStack, build_model, local
 from scaleout.nn.autoencoder import tied_autoencode, write_filter_image
 from scaleout.nn.local import LocalGeometry
 from scaleout.nn.selectivity import best_threshold_accuracy, face_dataset, selectivity_report
@@ -87,8 +87,14 @@ def make_stack(c, size, field, step, block, pool, pad, lam=0.1):
     return stack
 
 
+@pytest.fixture(params=[False, True], ids=["via-temporary", "in-place"])
+def transpose_path(request, monkeypatch):
+    """W^T y accumulated in place or through a temporary, whatever the field size."""
+    monkeypatch.setattr(local, "DIRECT_ADD_MIN_ROWS", 0 if request.param else 1 << 30)
+
+
 @pytest.mark.parametrize("spec", GEOMETRIES)
-def test_objective_equals_dense_computation(spec):
+def test_objective_equals_dense_computation(spec, transpose_path):
     stack = make_stack(*spec)
     g = stack.geometry
     x = torch.randn(3, *g.in_shape, dtype=torch.float64)
@@ -111,7 +117,7 @@ def test_objective_equals_dense_computation(spec):
 
 
 @pytest.mark.parametrize("spec", GEOMETRIES[:2])
-def test_gradient_matches_finite_differences(spec):
+def test_gradient_matches_finite_differences(spec, transpose_path):
     stack = make_stack(*spec)
     g = stack.geometry
     x = torch.randn(2, *g.in_shape, dtype=torch.float64, requires_grad=True)

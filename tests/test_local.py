@@ -2,6 +2,8 @@
 positions, a dense masked matrix, explicit pooling windows, and a per-pixel loop for LCN."""
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -160,12 +162,23 @@ def layer_for(g, bias=True, dtype=torch.float32):
     return layer
 
 
+@contextmanager
+def transpose_path(direct: bool) -> Iterator[None]:
+    """W^T y accumulated in place (`direct`) or through a temporary, whatever the field size."""
+    saved = local.DIRECT_ADD_MIN_ROWS
+    local.DIRECT_ADD_MIN_ROWS = 0 if direct else 1 << 30
+    try:
+        yield
+    finally:
+        local.DIRECT_ADD_MIN_ROWS = saved
+
+
 # --- LocallyConnected2d ----------------------------------------------------------------------
 
 
 @settings(max_examples=40, deadline=None)
-@given(g=geometries(), n=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_forward_and_gradients_equal_loop_over_positions(g, n, seed):
+@given(g=geometries(), n=st.integers(1, 3), seed=st.integers(0, 2**16), direct=st.booleans())
+def test_forward_and_gradients_equal_loop_over_positions(g, n, seed, direct):
     torch.manual_seed(seed)
     layer = layer_for(g)
     x = torch.randn(n, *g.in_shape, requires_grad=True)
@@ -174,19 +187,21 @@ def test_forward_and_gradients_equal_loop_over_positions(g, n, seed):
     assert y.shape == (n, g.depth, g.out_height, g.out_width)
     torch.testing.assert_close(y, expected)
     probe = torch.randn_like(expected)
-    ours = torch.autograd.grad((y * probe).sum(), (x, layer.weight, layer.bias))
+    with transpose_path(direct):  # the input's gradient is W^T (dL/dy)
+        ours = torch.autograd.grad((y * probe).sum(), (x, layer.weight, layer.bias))
     theirs = torch.autograd.grad((expected * probe).sum(), (x, layer.weight, layer.bias))
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b)
 
 
 @settings(max_examples=30, deadline=None)
-@given(g=geometries(), n=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_transpose_and_its_gradients_equal_loop_over_positions(g, n, seed):
+@given(g=geometries(), n=st.integers(1, 3), seed=st.integers(0, 2**16), direct=st.booleans())
+def test_transpose_and_its_gradients_equal_loop_over_positions(g, n, seed, direct):
     torch.manual_seed(seed)
     layer = layer_for(g, bias=False)
     y = torch.randn(n, *g.out_shape, requires_grad=True)
-    x = layer.transpose(y)
+    with transpose_path(direct):
+        x = layer.transpose(y)
     # W^T y is the gradient of <W x, y> with respect to x
     x0 = torch.zeros(n, *g.in_shape, requires_grad=True)
     expected = torch.autograd.grad(

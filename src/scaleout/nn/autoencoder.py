@@ -39,6 +39,7 @@ from scaleout.nn.local import (
     LocalContrastNorm2d,
     LocalGeometry,
     LocallyConnected2d,
+    add_transposed_product,
     from_hwcn,
     gather_blocks,
     gather_fields,
@@ -47,7 +48,6 @@ from scaleout.nn.local import (
     local_linear,
     local_linear_t,
     normalize_rows,
-    scatter_add_fields,
     scatter_blocks,
     to_hwcn,
 )
@@ -95,8 +95,7 @@ class _TiedAutoencoder(torch.autograd.Function):
             blocks.mul_(scale)  # u = W x
             scatter_blocks(blocks, ut, g, row)
             blocks.mul_(scale * alpha)  # W^T (alpha u) = W~^T (scale * alpha u)
-            torch.bmm(weight[row].transpose(1, 2), blocks, out=fields)
-            scatter_add_fields(fields, rt, g, row)
+            add_transposed_product(weight[row], blocks, rt, g, row, fields)
         ctx.save_for_backward(xt, weight, alpha, inv, ut)
         ctx.geometry = g  # type: ignore[attr-defined]
         return from_hwcn(ut * alpha), from_hwcn(rt)
@@ -153,8 +152,7 @@ class _TiedAutoencoder(torch.autograd.Function):
                 )
             if grad_xt is not None:  # dL/dx = W^T (alpha dL/dh)
                 d.mul_(scale * alpha)
-                torch.bmm(weight[row].transpose(1, 2), d, out=x_fields)
-                scatter_add_fields(x_fields, grad_xt, g, row)
+                add_transposed_product(weight[row], d, grad_xt, g, row, x_fields)
         grad_x = None if grad_xt is None else from_hwcn(grad_xt)
         return grad_x, grad_w, grad_alpha if need_alpha else None, None
 
