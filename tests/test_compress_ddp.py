@@ -1,6 +1,9 @@
 """The DDP hook on real gloo process groups: replicas stay identical, training matches fp32."""
 
+import json
+import os
 import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -127,12 +130,18 @@ def test_training_matches_fp32(trained, label, tolerance):
     assert cosine > (0.85 if label == "onebit" else 0.95)
 
 
-def test_hook_state_follows_rebuilt_buckets():
-    """In a one-process group: DDP rebuilds its buckets after the first step; the residuals
-    left are exactly one per current bucket, sized like it."""
-    # An in-memory store: no file locks, no sockets to wait on.
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def rebuilt_buckets(out: Path) -> None:
+    """In a one-process group, DDP rebuilds its buckets after the first step; writes the
+    residuals the hook holds then, and leaves with os._exit.
+
+    Own process and no teardown: dropping DDP's reducer right after a backward through a
+    Python comm hook can deadlock in ProcessGroupGloo's destructor, which joins gloo's
+    threads while holding the GIL that one of them still needs to release the hook's
+    callback (pytorch/pytorch#56297); a deadlock that holds the GIL defeats any timeout
+    inside the process, so the test waits on this one from outside."""
+    code = 1
     try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         net = model()
         ddp = DistributedDataParallel(net, bucket_cap_mb=0.01)
         hook = ddp_hook("dynamic8", error_feedback=True)
@@ -140,11 +149,29 @@ def test_hook_state_follows_rebuilt_buckets():
         x, y = task(1, 64)
         for _ in range(3):
             F.cross_entropy(ddp(x), y).backward()
-        residuals = hook.codec.residuals
+        sizes = [r.numel() for r in hook.codec.residuals.values()]
         total = sum(p.numel() for p in net.parameters())
-        assert len(residuals) > 1 and sum(r.numel() for r in residuals.values()) == total
+        out.write_text(json.dumps({"sizes": sizes, "total": total}))
+        code = 0
     finally:
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def test_hook_state_follows_rebuilt_buckets(tmp_path):
+    """The residuals left are exactly one per current bucket, sized like it."""
+    out = tmp_path / "residuals.json"
+    process = mp.get_context("spawn").Process(target=rebuilt_buckets, args=(out,))
+    process.start()
+    process.join(timeout=240)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        pytest.fail("the one-process DDP run did not finish in 240 s")
+    assert process.exitcode == 0
+    result = json.loads(out.read_text())
+    assert len(result["sizes"]) > 1 and sum(result["sizes"]) == result["total"]
 
 
 def test_hook_rejects_options_with_a_codec_object():
