@@ -317,8 +317,7 @@ def greedy_rows(rows: list[Row], notes: list[str], timings: dict) -> None:
             network.stack_parameter_groups(k, 1e-3), lr=1e-3, momentum=momentum
         )
         reset_peak_memory()
-        with torch.no_grad():
-            network.stacks[k].fit_alpha_(network.features(x, k))
+        network.fit_alpha_(x, k)
         seconds: dict[int, list[float]] = {t: [] for t in thread_counts}
         for step in range(1 + GREEDY_STEPS * len(thread_counts)):
             threads = thread_counts[(step - 1) % len(thread_counts)] if step else all_threads

@@ -88,7 +88,6 @@ from scaleout.bench.model_parallel_update import (
     Updater,
     joint_objective,
     network,
-    stack_groups,
 )
 from scaleout.comm import free_port
 from scaleout.compress import get
@@ -232,15 +231,11 @@ def greedy_train(
     curve, measured, predicted = [], [], []
     for index in range(model.num_stacks):
         model.train_only(index)
-        groups = stack_groups(model, index, TRAIN_LR)
+        groups = model.stack_parameter_groups(index, TRAIN_LR)
         optimizer = torch.optim.SGD(groups, lr=TRAIN_LR, momentum=MOMENTUM)
         for step, x in enumerate(_batches(data, steps_per_stack, seed + index)):
             if step == 0:
-                if partitioned:
-                    model.fit_alpha_(x, index)
-                else:
-                    with torch.no_grad():
-                        model.stacks[index].fit_alpha_(model.features(x, index))
+                model.fit_alpha_(x, index)
             meter.reset()
             terms = model.stack_objective(x, index)
             optimizer.zero_grad(set_to_none=True)

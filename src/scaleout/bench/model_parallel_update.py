@@ -61,22 +61,13 @@ def joint_objective(stacks: Sequence[nn.Module], x: Tensor, composed: bool = Fal
     return total
 
 
-def stack_groups(
-    model: SparseAutoencoderNetwork | PartitionedAutoencoder, index: int, lr: float
-) -> list[dict]:
-    """Stack `index`'s optimizer groups: filters at `lr`, alpha at `lr * alpha_lr_scale`."""
-    if isinstance(model, PartitionedAutoencoder):
-        return model.stack_parameter_groups(index, lr, LAYOUT["alpha_lr_scale"])  # type: ignore[arg-type]
-    return model.stack_parameter_groups(index, lr)
-
-
 class Updater:
     """One joint update of a plain or partitioned network: zero, objective, backward, sync,
     SGD momentum (filters at lr, alpha at lr * alpha_lr_scale, as greedy training)."""
 
     def __init__(self, model: SparseAutoencoderNetwork | PartitionedAutoencoder, lr: float) -> None:
         self.model = model
-        groups = [g for k in range(model.num_stacks) for g in stack_groups(model, k, lr)]
+        groups = [g for k in range(model.num_stacks) for g in model.stack_parameter_groups(k, lr)]
         self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=MOMENTUM)
 
     def step(self, x: Tensor, composed: bool = False) -> None:

@@ -301,11 +301,16 @@ def _use_compiled(x: torch.Tensor) -> bool:
 
 
 def _run(
-    name: str, fn: Callable, static: dict, x: torch.Tensor, *args: torch.Tensor, **how: bool
+    name: str,
+    fn: Callable,
+    static: dict,
+    x: torch.Tensor,
+    *args: torch.Tensor,
+    compiled: bool | None = None,
 ) -> Any:
     """fn(x, *args, **static), compiled once per (name, static options) when worthwhile
-    (`compiled=True` in `how`: compiled whatever the size)."""
-    if not how.get("compiled", _use_compiled(x)):
+    (`compiled` None: decided by `_use_compiled(x)`)."""
+    if not (_use_compiled(x) if compiled is None else compiled):
         return fn(x, *args, **static)
     key = (name, tuple(sorted(static.items())))
     if key not in _COMPILED:
@@ -399,13 +404,13 @@ def decode(
         elif part.shape[0] == 1:  # one scale: scale the table, then fetch finished pairs
             finished = (table.pair_values * given).to(dtype)  # (65536, 2)
             pair_bits = finished.view(_BITS_OF[dtype.itemsize]).view(-1)
-            two = part.view(torch.int16)
+            two = part.view(torch.int16)  # (1, L/2): two codes each
             values = _run(
                 "decode_pairs_scaled", _decode_pairs_scaled, {}, two, pair_bits, compiled=True
             )
             values = values.view(dtype)
         else:
-            two = part.view(torch.int16)
+            two = part.view(torch.int16)  # (B, L/2)
             values = _run(
                 "decode_pairs", _decode_pairs, static, two, given, table.pair_values, compiled=True
             )

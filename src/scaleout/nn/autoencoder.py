@@ -419,6 +419,13 @@ class SparseAutoencoderNetwork(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.features(x)
 
+    @torch.no_grad()
+    def fit_alpha_(self, x: Tensor, index: int) -> float:
+        """Start stack `index`'s alpha at the least-squares scale on the data minibatch x,
+        as greedy training does at a stack's start (`SparseAutoencoderStack.fit_alpha_` on
+        the features of the stacks below)."""
+        return self.stacks[index].fit_alpha_(self.features(x, index))
+
     def stack_parameters(self, index: int) -> Iterator[nn.Parameter]:
         """The parameters greedy training optimises while training stack `index`."""
         return self.stacks[index].parameters()

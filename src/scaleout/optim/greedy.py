@@ -175,14 +175,6 @@ class GreedyTrainer:
         (x,) = next(self._batches)
         return x.to(self.device, non_blocking=True)
 
-    @torch.no_grad()
-    def _fit_alpha(self, x: Tensor, stack: int) -> None:
-        if self.partitioned is not None:
-            self.partitioned.fit_alpha_(x, stack)
-        else:
-            network: Any = self.network
-            network.stacks[stack].fit_alpha_(network.features(x, stack))
-
     def train_chunk(self, num_steps: int) -> dict[str, Any]:
         """Train `num_steps` steps, all within one stack; return the replica's summed terms
         (reconstruction, sparsity: per-example values times examples), the examples, and the
@@ -202,7 +194,7 @@ class GreedyTrainer:
         for _ in range(num_steps):
             x = self._next_batch()
             if self.step % plan.steps_per_stack == 0:  # a stack's first minibatch: alpha there
-                self._fit_alpha(x, stack)
+                network.fit_alpha_(x, stack)
             if self.link is not None:
                 self.link.before_step()  # a fetch from the shards overrides the alpha fit
             terms: ObjectiveTerms = network.stack_objective(x, stack)
@@ -318,7 +310,7 @@ class GreedyTrainer:
         replica)."""
         if self.step == stack * self.plan.steps_per_stack:  # not when resuming mid-stack
             self._batches = None
-            self._fit_alpha(self._next_batch(), stack)
+            self.network.fit_alpha_(self._next_batch(), stack)  # type: ignore[operator]
             self._batches = None  # training starts from the same first minibatch
         weight, alpha = self._stack_params(stack)
         flat_alpha = None if alpha is None else alpha.detach().reshape(1).cpu()

@@ -178,7 +178,10 @@ class PartitionedStack(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Features (LCN output) over `feature_windows[rank]`; x is the whole input when it is
         replicated, else this worker's owned window of it."""
-        pooled = self._pool(self.encode(x))
+        return self._features(self._pool(self.encode(x)))
+
+    def _features(self, pooled: Tensor) -> Tensor:
+        """LCN of the pooled codes, over `feature_windows[rank]`."""
         normalised = self.lcn(self.to_lcn(pooled))
         return _crop(normalised, self.lcn_output, self.lcn_input)
 
@@ -208,8 +211,7 @@ class PartitionedStack(nn.Module):
         of eq. 1 and the features over `feature_windows[rank]`, with W x, the exchange of the
         input and that of the codes done once for both."""
         terms, pooled = self._objective(x)
-        normalised = self.lcn(self.to_lcn(pooled))
-        return terms, _crop(normalised, self.lcn_output, self.lcn_input)
+        return terms, self._features(pooled)
 
     def _objective(self, x: Tensor) -> tuple[ObjectiveTerms, Tensor]:
         """This worker's part of eq. 1, and its pooled codes."""
