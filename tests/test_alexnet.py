@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaleout.build import build_datasets, build_model_for
-from scaleout.config import config_from_dict
+from scaleout.api import build_job, config_from_dict
 from scaleout.data.images import write_image_folder
 from scaleout.nn import build_model
 from scaleout.nn.models import AlexNet
@@ -96,7 +95,8 @@ def test_config_builds_small_alexnet_on_an_image_folder(tmp_path):
             "model": {"kind": "alexnet_small", "num_classes": 5, "width": 0.5},
         }
     )
-    train, test = build_datasets(config)
-    model = build_model_for(config, train)
+    job = build_job(config)
+    train, test = job.build_data()
+    model = job.build_model(train)
     assert train[0][0].shape == test[0][0].shape == (3, 64, 64)
     assert model(train.__getitems__([0, 1])[0]).shape == (2, 5)

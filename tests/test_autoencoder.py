@@ -9,17 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaleout.api import load_config, prepare
 from scaleout.cli import main
-from scaleout.config import load_config
 from scaleout.data import natural_image_patches
 from scaleout.info import describe_model
 from scaleout.metrics import read_metrics
 from scaleout.nn import MODELS, SparseAutoencoderNetwork, SparseAutoencoderStack, build_model, local
 from scaleout.nn.autoencoder import tied_autoencode, write_filter_image
 from scaleout.nn.local import LocalGeometry
-from scaleout.nn.selectivity import best_threshold_accuracy, face_dataset, selectivity_report
-from scaleout.optim import greedy_driver as greedy
+from scaleout.nn.selectivity import best_threshold_accuracy, face_dataset
+from scaleout.reports import selectivity_report
 from scaleout.rundir import RunDir
+from scaleout.train import driver
 
 
 @pytest.fixture(autouse=True)
@@ -345,13 +346,9 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, trained_run, monk
     those of the uninterrupted run."""
 
     class StopAfter:
-        def __init__(self):
-            self.calls = 0
-
         @property
         def requested(self):
-            self.calls += 1
-            return self.calls > 5  # checked once or twice per chunk: stops mid-stack-2
+            return first.strategy.step >= 8  # mid-stack-2
 
         def __enter__(self):
             return self
@@ -359,12 +356,14 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, trained_run, monk
         def __exit__(self, *exc):
             return None
 
-    config = load_config(write_config(tmp_path, "resumed"))
-    monkeypatch.setattr(greedy, "StopOnInterrupt", StopAfter)
-    first = greedy.train_greedy(config, RunDir.prepare(config))
-    assert first.interrupted and 6 < first.step < 12
+    path = write_config(tmp_path, "resumed")
+    config = load_config(path)
+    first = prepare(path)
+    monkeypatch.setattr(driver, "StopOnInterrupt", StopAfter)
+    result = first.train()
+    assert result.interrupted and result.step == 8
     monkeypatch.undo()
-    second = greedy.train_greedy(config, RunDir.prepare(config, resume=True), resume=True)
+    second = prepare(path, resume=True).train()
     assert second.step == 12 and not second.interrupted
     ours = RunDir(config.run_dir).checkpoints
     theirs = RunDir(trained_run).checkpoints

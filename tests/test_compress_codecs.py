@@ -9,6 +9,7 @@ from scaleout import compress
 from scaleout.compress import (
     CODEC_NAMES,
     EIGHT_BIT_CODECS,
+    CompressSection,
     Encoded,
     ErrorFeedback,
     NonFiniteInput,
@@ -17,7 +18,6 @@ from scaleout.compress import (
     get,
 )
 from scaleout.compress.tables import get_table
-from scaleout.config import CompressSection
 
 SYMMETRIC = [name for name in EIGHT_BIT_CODECS if name != "dynamic8_bnb"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from scaleout.api import load_config
 from scaleout.cli import main
-from scaleout.config import MLPModel, load_config
 from scaleout.errors import ConfigError
+from scaleout.nn.config import MLPModel
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,15 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaleout.build import build_datasets, build_model_for
+import scaleout
+from scaleout.api import build_job, load_config, prepare
 from scaleout.checkpoint import load_checkpoint
-from scaleout.comm import destroy_distributed, free_port, init_distributed
-from scaleout.config import load_config
+from scaleout.comm import WorkerDied, destroy_distributed, free_port, init_distributed
 from scaleout.data import make_loader
 from scaleout.errors import ConfigError
-from scaleout.optim import train_single
-from scaleout.parallel import SyncTrainer, WorkerDied
-from scaleout.rundir import RunDir
 
 CONFIG = """
 [run]
@@ -75,11 +72,15 @@ def write_config(tmp_path: Path, name: str = "s", **fields) -> Path:
     return path
 
 
-def run_sync(path: Path, *overrides: str, resume: bool = False) -> tuple[SyncTrainer, object]:
-    config = load_config(path, list(overrides))
-    run = RunDir.prepare(config, resume=resume, overwrite=not resume)
-    trainer = SyncTrainer(config, run, resume)
-    return trainer, trainer.train()
+def run_sync(path: Path, *overrides: str, resume: bool = False):
+    run = prepare(path, overrides=list(overrides), resume=resume, overwrite=not resume)
+    return run, run.train()
+
+
+def run_single(path: Path, name: str) -> Path:
+    """Strategy "single" on the same config: the reference."""
+    overrides = ["train.strategy=single", f"run.name={name}"]
+    return scaleout.fit(path, overrides=overrides, overwrite=True).run_dir
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -93,9 +94,10 @@ def hand_average_sgd(path: Path, num_workers: int, steps: int, every: int) -> di
     """Each worker's own SGD-with-momentum step on its slice of the global batch, written
     out by hand (v = mu v + g; w = w - lr v), then weights and velocities averaged."""
     config = load_config(path)
+    job = build_job(config)
     torch.manual_seed(config.run.seed)
-    train, _ = build_datasets(config)
-    model = build_model_for(config, train)
+    train, _ = job.build_data()
+    model = job.build_model(train)
     start = [p.detach().clone() for p in model.parameters()]
     lr, mu = config.train.lr, config.train.momentum
     workers = [[w.clone() for w in start] for _ in range(num_workers)]
@@ -201,53 +203,46 @@ def test_actors_form_a_process_group(ray_session):
 
 def test_average_mode_equals_hand_computed_average_of_worker_steps(ray_session, tmp_path):
     path = write_config(tmp_path, "avg", mode="average", steps=3)
-    trainer, result = run_sync(path)
+    _, result = run_sync(path)
     assert result.step == 3
-    assert_close(weights(trainer.run.path), hand_average_sgd(path, 2, 3, every=1))
+    assert_close(weights(result.run_dir), hand_average_sgd(path, 2, 3, every=1))
 
 
 @pytest.mark.slow
 def test_average_every_two_steps_equals_hand_computation(ray_session, tmp_path):
     path = write_config(tmp_path, "avg2", mode="average", steps=4, average_every=2)
-    trainer, _ = run_sync(path)
-    assert_close(weights(trainer.run.path), hand_average_sgd(path, 2, 4, every=2))
+    _, result = run_sync(path)
+    assert_close(weights(result.run_dir), hand_average_sgd(path, 2, 4, every=2))
     # and it is not the every-step schedule: averaging less often changes the result
     every_step = hand_average_sgd(path, 2, 4, every=1)
-    got = weights(trainer.run.path)
+    got = weights(result.run_dir)
     assert any(not torch.allclose(got[k], every_step[k], atol=1e-6) for k in got)
 
 
 def test_allreduce_equals_one_worker_on_the_concatenated_batch(ray_session, tmp_path):
     path = write_config(tmp_path, "ar", steps=5)
-    trainer, _ = run_sync(path)
-    config = load_config(path, ["train.strategy=single", "run.name=ref"])
-    run = RunDir.prepare(config, overwrite=True)
-    train_single(config, run)
-    assert_close(weights(trainer.run.path), weights(run.path))
+    _, result = run_sync(path)
+    assert_close(weights(result.run_dir), weights(run_single(path, "ref")))
 
 
 def test_one_worker_is_strategy_single_with_dropout(ray_session, tmp_path):
     path = write_config(tmp_path, "one", workers=1, dropout=0.5, steps=6)
-    trainer, _ = run_sync(path)
-    config = load_config(path, ["train.strategy=single", "run.name=ref1"])
-    run = RunDir.prepare(config, overwrite=True)
-    train_single(config, run)
-    assert_close(weights(trainer.run.path), weights(run.path), atol=0)
+    _, result = run_sync(path)
+    assert_close(weights(result.run_dir), weights(run_single(path, "ref1")), atol=0)
 
 
 def test_compress_codec_plugs_in_as_ddp_hook(ray_session, tmp_path):
     path = write_config(tmp_path, "fp32", steps=4)
-    plain, _ = run_sync(path)
-    compressed, _ = run_sync(path, "run.name=bf16", "compress.codec=bf16")
-    got, reference = weights(compressed.run.path), weights(plain.run.path)
+    _, plain = run_sync(path)
+    _, compressed = run_sync(path, "run.name=bf16", "compress.codec=bf16")
+    got, reference = weights(compressed.run_dir), weights(plain.run_dir)
     assert any(not torch.equal(got[k], reference[k]) for k in got)  # the hook did run
     assert_close(got, reference, atol=2e-2)  # ... and only rounded the gradients
 
 
 def test_batch_must_split_evenly(ray_session, tmp_path):
-    config = load_config(write_config(tmp_path, "odd", batch=33))
     with pytest.raises(ConfigError, match="sync.num_workers"):
-        SyncTrainer(config, RunDir.prepare(config, overwrite=True), False)
+        prepare(write_config(tmp_path, "odd", batch=33), overwrite=True)
 
 
 # --- failure and resume ----------------------------------------------------------------------
@@ -256,32 +251,32 @@ def test_batch_must_split_evenly(ray_session, tmp_path):
 def test_killed_worker_stops_the_run_and_resume_finishes_it(ray_session, tmp_path):
     shape = dict(sizes=[784, 256, 256, 10], num_train=8192, batch=128, checkpoint_every=20)
     path = write_config(tmp_path, "kill", steps=160, **shape)
-    config = load_config(path)
-    run = RunDir.prepare(config, overwrite=True)
-    trainer = SyncTrainer(config, run, False)
-    victim = trainer.group.pids[1]
+    run = prepare(path, overwrite=True)
+    checkpoints = run.run_dir.checkpoints
+    pids: list[int] = []
 
     def kill_after_a_checkpoint() -> None:
-        while not any(s >= 40 for s in run.checkpoints.steps()):
+        while not any(s >= 40 for s in checkpoints.steps()):
             time.sleep(0.01)
-        os.kill(victim, signal.SIGKILL)
+        pids.extend(run.strategy.workers.group.pids)
+        os.kill(pids[1], signal.SIGKILL)
 
     threading.Thread(target=kill_after_a_checkpoint, daemon=True).start()
     with pytest.raises(WorkerDied, match=r"sync worker 1 \(pid \d+\) died.*--resume"):
-        trainer.train()
-    stopped_at = trainer.step
+        run.train()
+    stopped_at = run.strategy.step
     assert 40 <= stopped_at < 160
-    last = run.checkpoints.latest()
+    last = checkpoints.latest()
     tensors, meta = load_checkpoint(last)  # valid: checksums verified
     assert meta["strategy"] == "sync" and meta["step"] % 20 == 0 and meta["step"] >= 40
     assert "rng.torch.1" in tensors
     time.sleep(0.5)
-    for pid in trainer.group.pids:  # the survivor was stopped too
+    for pid in pids:  # the survivor was stopped too
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
     resumed, result = run_sync(path, resume=True)
-    assert result.step == 160 and resumed.step == 160
+    assert result.step == 160 and resumed.strategy.step == 160
 
 
 @pytest.mark.slow

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from scaleout.api import Run, prepare
 from scaleout.checkpoint import load_checkpoint
-from scaleout.config import load_config
 from scaleout.errors import UserError
 from scaleout.metrics import read_metrics
-from scaleout.optim.downpour import PUSHES_FILE, Downpour
 from scaleout.rundir import RunDir
 from scaleout.runtime import connect
+from scaleout.strategies.downpour.strategy import PUSHES_FILE
 
 CONFIG = """
 [run]
@@ -70,16 +70,15 @@ def write_config(tmp_path: Path, name: str = "dp", **fields) -> Path:
     return path
 
 
-def driver(path: Path, *overrides: str, resume: bool = False) -> Downpour:
-    config = load_config(path, list(overrides))
-    return Downpour(config, RunDir.prepare(config, resume=resume, overwrite=not resume), resume)
+def driver(path: Path, *overrides: str, resume: bool = False) -> Run:
+    return prepare(path, overrides=list(overrides), resume=resume, overwrite=not resume)
 
 
-def kill_when(downpour: Downpour, step: int, pid_of) -> threading.Thread:
-    """SIGKILL the process `pid_of()` names once the driver has passed `step`."""
+def kill_when(run: Run, step: int, pid_of) -> threading.Thread:
+    """SIGKILL the process `pid_of()` names once the strategy has passed `step`."""
 
     def watch():
-        while downpour.step < step:
+        while run.strategy.step < step:
             time.sleep(0.05)
         os.kill(pid_of(), signal.SIGKILL)
 
@@ -94,7 +93,7 @@ def test_trains_records_staleness_and_warm_starts(ray_session, tmp_path):
     assert result.step == 400 and not result.interrupted
     assert result.summary["final_test_accuracy"] > 0.9
     assert result.summary["replica_failures"] == 0
-    records = read_metrics(downpour.run.metrics)
+    records = read_metrics(downpour.run_dir.metrics)
     assert records[-1]["step"] == 400
     for key in (
         "time_s",
@@ -110,7 +109,7 @@ def test_trains_records_staleness_and_warm_starts(ray_session, tmp_path):
         "replicas_alive",
     ):
         assert key in records[-1], key
-    pushes = read_metrics(downpour.run.path / PUSHES_FILE)
+    pushes = read_metrics(downpour.run_dir.path / PUSHES_FILE)
     # one push per n_push = 2 steps of each replica
     assert sum(1 for _ in pushes) == pytest.approx(400 / 2, abs=4)
     assert {p["replica"] for p in pushes} == {0, 1}
@@ -119,9 +118,9 @@ def test_trains_records_staleness_and_warm_starts(ray_session, tmp_path):
     assert any(p["staleness"] > 0 for p in pushes)  # two replicas do interleave
     # every push carries one full gradient: 2 shards x (784*128+128 + 128*10+10) floats
     assert {p["bytes_sent"] for p in pushes} == {4 * (784 * 128 + 128 + 128 * 10 + 10)}
-    tensors, meta = load_checkpoint(downpour.run.checkpoints.latest())
+    tensors, meta = load_checkpoint(downpour.run_dir.checkpoints.latest())
     assert meta["step"] == 400 and "model.layers.fc1.weight" in tensors
-    assert len(list((downpour.run.path / "shards").glob("shard_*/step_*.json"))) >= 2
+    assert len(list((downpour.run_dir.path / "shards").glob("shard_*/step_*.json"))) >= 2
 
 
 def test_killed_replica_is_restarted_and_training_completes(ray_session, tmp_path):
@@ -129,22 +128,20 @@ def test_killed_replica_is_restarted_and_training_completes(ray_session, tmp_pat
     options = dict(replicas=3, steps=900, warmstart=0)
     reference = driver(write_config(tmp_path, "reference", **options), "train.lr=0.02").train()
     downpour = driver(write_config(tmp_path, **options), "train.lr=0.02")
-    import ray
-
-    kill_when(downpour, 150, lambda: ray.get(downpour.replicas[1].pid.remote()))
+    kill_when(downpour, 150, lambda: downpour.strategy.replicas[1].pid())
     result = downpour.train()
     assert result.step == 900
     assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 1
     accuracy = result.summary["final_test_accuracy"]
     assert accuracy > 0.88
     assert accuracy > reference.summary["final_test_accuracy"] - 0.02
-    failure = load_checkpoint(downpour.run.checkpoints.latest())[1]["failures"][0]
+    failure = load_checkpoint(downpour.run_dir.checkpoints.latest())[1]["failures"][0]
     assert failure["replica"] == 1 and failure["kind"] == "died" and failure["restarted"]
 
 
 def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
     downpour = driver(write_config(tmp_path, steps=600))
-    kill_when(downpour, 200, lambda: downpour.server.info()[0]["pid"])
+    kill_when(downpour, 200, lambda: downpour.strategy.servers[0][0].info()[0]["pid"])
     result = downpour.train()
     assert result.step == 600
     assert result.summary["shard_restarts"] == 1
@@ -154,9 +151,7 @@ def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
 
 def test_replicas_that_keep_failing_stop_the_run(ray_session, tmp_path):
     downpour = driver(write_config(tmp_path, replicas=1, warmstart=0), "downpour.max_restarts=0")
-    import ray
-
-    kill_when(downpour, 40, lambda: ray.get(downpour.replicas[0].pid.remote()))
+    kill_when(downpour, 40, lambda: downpour.strategy.replicas[0].pid())
     with pytest.raises(UserError, match="every Downpour replica failed"):
         downpour.train()
 
@@ -243,7 +238,7 @@ def test_three_thread_replicas_train(ray_session, tmp_path):
     downpour = driver(write_config(tmp_path, steps=800), "downpour.threads=true", "train.lr=0.02")
     result = downpour.train()
     assert result.step == 800 and result.summary["final_test_accuracy"] > 0.88
-    pushes = read_metrics(downpour.run.path / PUSHES_FILE)
+    pushes = read_metrics(downpour.run_dir.path / PUSHES_FILE)
     assert len(pushes) == pytest.approx(800 / 2, abs=4)
     assert all(p["staleness"] is not None and p["shards_lost"] == 0 for p in pushes)
 

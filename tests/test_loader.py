@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from scaleout.config import config_from_dict
+from scaleout.api import config_from_dict
 from scaleout.data import ArrayDataset, ShuffledBatchSampler, make_loader
 from scaleout.data.images import ImageFolderDataset, NpyDataset, write_image_folder
 from scaleout.data.prefetch import DevicePrefetcher

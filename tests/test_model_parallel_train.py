@@ -6,13 +6,13 @@ either strategy."""
 import pytest
 import torch
 
+from scaleout.api import prepare
 from scaleout.checkpoint import load_checkpoint
 from scaleout.cli import main
-from scaleout.config import MLPModel, load_config
 from scaleout.errors import ConfigError
 from scaleout.metrics import read_metrics
-from scaleout.optim import STRATEGIES, greedy_driver
 from scaleout.rundir import RunDir
+from scaleout.train import driver
 
 CONFIG = """
 [run]
@@ -56,6 +56,23 @@ def write_config(tmp_path, name, strategy, grid=(1, 2)):
     return path
 
 
+def stop_when(condition):
+    """A stand-in for Ctrl-C: the driver's stop request turns true once `condition()` does."""
+
+    class StopWhen:
+        @property
+        def requested(self):
+            return condition()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    return StopWhen
+
+
 def weights(run_path):
     tensors, meta = load_checkpoint(RunDir(run_path).checkpoints.latest())
     return {k: v for k, v in tensors.items() if k.startswith(("model.", "optim."))}, meta
@@ -95,39 +112,23 @@ def test_resume_across_strategies_and_grids(tmp_path, single_run, ray_session, m
     """Stopped mid-stack-1 on a 2 x 1 grid (as Ctrl-C would), resumed in one process: the run
     ends with exactly the uninterrupted run's weights and optimizer state."""
 
-    class StopAfter:
-        def __init__(self):
-            self.calls = 0
-
-        @property
-        def requested(self):
-            self.calls += 1
-            return self.calls > 1  # seen after the first chunk (step 2)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
-    config = load_config(write_config(tmp_path, "moved", "model_parallel", grid=(2, 1)))
-    monkeypatch.setattr(greedy_driver, "StopOnInterrupt", StopAfter)
-    first = STRATEGIES["model_parallel"](config, RunDir.prepare(config), False)
-    assert first.interrupted and first.step == 2
+    first = prepare(write_config(tmp_path, "moved", "model_parallel", grid=(2, 1)))
+    monkeypatch.setattr(driver, "StopOnInterrupt", stop_when(lambda: first.strategy.step >= 2))
+    result = first.train()
+    assert result.interrupted and result.step == 2
     monkeypatch.undo()
-    resumed = config.model_copy(
-        update={"train": config.train.model_copy(update={"strategy": "single"})}
-    )
-    second = STRATEGIES["single"](resumed, RunDir.prepare(resumed, resume=True), True)
-    assert second.step == 12 and not second.interrupted
+    second = prepare(tmp_path / "moved.toml", overrides=['train.strategy="single"'], resume=True)
+    result = second.train()
+    assert result.step == 12 and not result.interrupted
     assert_same_run(tmp_path / "runs" / "moved", single_run)
 
 
 def test_model_parallel_needs_an_autoencoder(tmp_path):
-    config = load_config(write_config(tmp_path, "mlp", "model_parallel"))
-    mlp = config.model_copy(update={"model": MLPModel(kind="mlp", sizes=[256, 2])})
+    path = write_config(tmp_path, "mlp", "model_parallel")
+    mlp = ["model={kind = 'mlp', sizes = [256, 2]}"]
     with pytest.raises(ConfigError, match='model.kind = "sparse_autoencoder"'):
-        STRATEGIES["model_parallel"](mlp, RunDir.prepare(mlp), False)
+        prepare(path, overrides=mlp)
+    assert not (tmp_path / "runs" / "mlp").exists()  # refused before anything was written
 
 
 def downpour_config(tmp_path, name, num_replicas):
@@ -161,16 +162,18 @@ def test_one_grid_as_the_only_downpour_replica_equals_single(tmp_path, single_ru
 
 @pytest.mark.slow
 def test_two_grid_replicas_train_through_their_shards(tmp_path, ray_session):
-    """Two 1 x 2 grids: every worker pushes every step to its own shards; the objective falls
-    and the summary counts the pushes of 2 replicas x 2 workers x 2 stacks x 6 steps."""
-    config = load_config(downpour_config(tmp_path, "dp2", 2))
-    result = STRATEGIES["downpour"](config, RunDir.prepare(config), False)
-    assert result.step == 12 and result.summary["num_replicas"] == 2
-    assert result.summary["pushes"] == 2 * 2 * 2 * 6
+    """Two 1 x 2 grids: every worker pushes every step to its own shards; the objective falls.
+    Steps are global (a minibatch on either replica): 6 per stack, 12 in all, each worker of
+    the replica that took a step pushes once for it."""
+    result = prepare(downpour_config(tmp_path, "dp2", 2)).train()
+    assert result.step == 12
     records = read_metrics(tmp_path / "runs" / "dp2" / "metrics.jsonl")
     first_stack = [r["loss"] for r in records if r["stack"] == 1]
     assert first_stack[-1] < first_stack[0]
-    assert records[-1]["examples"] == 2 * 12 * 32  # both replicas' minibatches
+    assert records[-1]["examples"] == 12 * 32  # both replicas' minibatches
+    pushes = read_metrics(tmp_path / "runs" / "dp2" / "pushes.jsonl")
+    assert len(pushes) == 2 * 12  # 2 workers per replica, one push per step
+    assert {(p["replica"], p["worker"]) for p in pushes} == {(r, w) for r in (0, 1) for w in (0, 1)}
 
 
 @pytest.mark.slow

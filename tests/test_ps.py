@@ -10,8 +10,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scaleout.config import TrainSection
+from scaleout.compress import CompressSection
 from scaleout.ps import FlatParameters, ParameterServer, ParameterShard, Wire, shard_ranges
+from scaleout.train.config import TrainSection
 
 
 @given(num_values=st.integers(1, 10_000), num_shards=st.integers(1, 16))
@@ -52,7 +53,7 @@ def test_flat_parameters_are_views_and_gradients_accumulate():
 
 
 def make_shards(initial, num_shards, optimizer, **checkpoint):
-    train = TrainSection(optimizer=optimizer, lr=0.1, momentum=0.9).model_dump()
+    train = TrainSection(optimizer=optimizer, lr=0.1, momentum=0.9)
     shards = []
     for i, (start, stop) in enumerate(shard_ranges(initial.numel(), num_shards)):
         shard = ParameterShard(i, stop - start, train, **checkpoint)
@@ -129,7 +130,7 @@ def test_server_on_ray_pull_push_and_shard_restart(ray_session, tmp_path):
     server = ParameterServer.create(
         initial,
         3,
-        TrainSection(optimizer="sgd", lr=1.0).model_dump(),
+        TrainSection(optimizer="sgd", lr=1.0),
         checkpoint_root=tmp_path,
         checkpoint_every=1,
     )
@@ -159,9 +160,9 @@ def test_compressed_pushes_shrink_bytes_and_track_fp32(codec):
     steps, apply nearly the fp32 updates."""
     initial = torch.zeros(4096)
     grads = torch.randn(20, 4096, generator=torch.Generator().manual_seed(5))
-    compress = dict(codec=codec, block_size=256, error_feedback=True)
+    compress = CompressSection(codec=codec, block_size=256, error_feedback=True)
     (exact,) = make_shards(initial, 1, "sgd")
-    packed = ParameterShard(0, 4096, TrainSection(optimizer="sgd", lr=0.1).model_dump(), compress)
+    packed = ParameterShard(0, 4096, TrainSection(optimizer="sgd", lr=0.1), compress)
     packed.initialize(initial.numpy())
     plain, wire = Wire(), Wire(compress)
     for step, grad in enumerate(grads):

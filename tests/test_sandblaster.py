@@ -12,14 +12,13 @@ import pytest
 import ray
 import scipy.optimize
 
-from scaleout.config import load_config
+from scaleout.api import prepare
 from scaleout.data import load_image_idx
 from scaleout.metrics import read_metrics
-from scaleout.optim.lbfgs import LbfgsState, LocalVectors, ShardedVectors, two_loop
-from scaleout.optim.sandblaster import Sandblaster
 from scaleout.ps import shard_ranges
 from scaleout.ps.vectors import VectorShard
 from scaleout.rundir import RunDir
+from scaleout.strategies.sandblaster.lbfgs import LbfgsState, LocalVectors, ShardedVectors, two_loop
 
 CONFIG = """
 [run]
@@ -39,6 +38,7 @@ sizes = [784, 10]
 [train]
 strategy = "sandblaster"
 eval_every = 1000
+log_every = 1
 checkpoint_every = 1000
 [sandblaster]
 num_replicas = {replicas}
@@ -60,8 +60,7 @@ def sandblaster(tmp_path, name="sb", *overrides, resume=False, **fields):
     values.update(fields)
     path = tmp_path / f"{name}.toml"
     path.write_text(CONFIG.format(**values))
-    config = load_config(path, list(overrides))
-    return Sandblaster(config, RunDir.prepare(config, resume=resume, overwrite=not resume), resume)
+    return prepare(path, overrides=list(overrides), resume=resume, overwrite=not resume)
 
 
 def objectives(run: RunDir) -> list[float]:
@@ -178,7 +177,7 @@ def test_convex_objective_matches_scipy_and_decreases(ray_session, tmp_path):
     result = run.train()
     expected = scipy_softmax_regression(1000, 1e-4)
     assert result.summary["final_objective"] == pytest.approx(expected, rel=1e-6)
-    trajectory = objectives(run.run)
+    trajectory = objectives(run.run_dir)
     assert all(b <= a for a, b in zip(trajectory, trajectory[1:], strict=False))
 
 
@@ -198,8 +197,8 @@ def test_backup_tasks_count_every_example_once(ray_session, tmp_path):
     )
     result = backed.train()
     assert result.summary["duplicates_dropped"] > 0
-    np.testing.assert_allclose(objectives(backed.run), objectives(plain.run), rtol=1e-10)
-    records = read_metrics(backed.run.metrics)
+    np.testing.assert_allclose(objectives(backed.run_dir), objectives(plain.run_dir), rtol=1e-10)
+    records = read_metrics(backed.run_dir.metrics)
     # every objective evaluation counted the 2000 examples exactly once
     assert records[-1]["examples"] == 2000 * records[-1]["evaluations"]
 
@@ -210,22 +209,22 @@ def test_replica_killed_mid_batch_changes_nothing(ray_session, tmp_path):
     run = sandblaster(tmp_path, "killed", replicas=3, portion=50)
 
     def kill_once():
-        while run.batch_id < 4:
+        while run.strategy.batch_id < 4:
             time.sleep(0.005)
-        os.kill(ray.get(run.replicas[2].pid.remote()), signal.SIGKILL)
+        os.kill(ray.get(run.strategy.replicas[2].pid.remote()), signal.SIGKILL)
 
     threading.Thread(target=kill_once, daemon=True).start()
     result = run.train()
     assert result.summary["replica_failures"] == 1
-    np.testing.assert_allclose(objectives(run.run), objectives(reference.run), rtol=1e-10)
+    np.testing.assert_allclose(objectives(run.run_dir), objectives(reference.run_dir), rtol=1e-10)
 
 
-def test_restarted_coordinator_resumes_from_the_shards(ray_session, tmp_path):
+def test_restarted_coordinator_resumes_from_the_shards(ray_session, tmp_path, capsys):
     straight = sandblaster(tmp_path, "straight", iterations=8)
     straight.train()
     first = sandblaster(tmp_path, "split", iterations=4)
     first.train()  # the coordinator ends; x, g and the history stay in the shards' files
     resumed = sandblaster(tmp_path, "split", resume=True, iterations=8)
-    assert resumed.state.iteration == 4
-    resumed.train()
-    np.testing.assert_allclose(objectives(resumed.run), objectives(straight.run), rtol=1e-9)
+    result = resumed.train()
+    assert result.step == 8 and "at step 4" in capsys.readouterr().err
+    np.testing.assert_allclose(objectives(resumed.run_dir), objectives(straight.run_dir), rtol=1e-9)

@@ -11,13 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import scaleout
 from scaleout.checkpoint import load_checkpoint
 from scaleout.cli import main
-from scaleout.config import load_config
 from scaleout.data import ShuffledBatchSampler, load_image_idx
 from scaleout.metrics import read_metrics
 from scaleout.nn import MLP
-from scaleout.optim import train_single
 from scaleout.rundir import RunDir
 
 CONFIG = """
@@ -65,9 +64,8 @@ def write_config(tmp_path: Path, name: str = "t", **fields) -> Path:
 
 
 def train(path: Path, *overrides: str, resume: bool = False):
-    config = load_config(path, list(overrides))
-    run = RunDir.prepare(config, resume=resume, overwrite=not resume)
-    return train_single(config, run, resume), run
+    result = scaleout.fit(path, overrides=list(overrides), resume=resume, overwrite=not resume)
+    return result, RunDir(result.run_dir)
 
 
 def final_tensors(run: RunDir) -> dict[str, torch.Tensor]:

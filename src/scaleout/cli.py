@@ -32,24 +32,23 @@ EXIT_INTERRUPTED = 130
 
 
 def _train(args: argparse.Namespace) -> int:
-    from scaleout.config import load_config
-    from scaleout.optim import STRATEGIES
-    from scaleout.rundir import RunDir
+    import json
 
-    config = load_config(args.config, args.set)
+    from scaleout.api import fit
+
+    overrides = list(args.set)
     if args.out is not None:
-        config.run.out_dir = args.out
+        overrides.append(f"run.out_dir={json.dumps(str(args.out))}")
     if args.address is not None:
-        config.run.address = args.address
-    run = RunDir.prepare(config, resume=args.resume, overwrite=args.overwrite)
-    err.print(f"[bold]{config.run.name}[/]: strategy {config.train.strategy}, writing {run.path}")
-    result = STRATEGIES[config.train.strategy](config, run, args.resume)
-    _print_summary(result.summary, run.path)
+        overrides.append(f"run.address={json.dumps(args.address)}")
+    result = fit(args.config, overrides=overrides, resume=args.resume, overwrite=args.overwrite)
+    assert result.run_dir is not None
+    _print_summary(result.summary, result.run_dir)
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 
 def _info(args: argparse.Namespace) -> int:
-    from scaleout.config import load_config
+    from scaleout.api import load_config
     from scaleout.info import describe_model, human
 
     config = load_config(args.config, args.set)
@@ -82,7 +81,7 @@ def _info(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import json
 
-    from scaleout.nn.selectivity import selectivity_report
+    from scaleout.reports import selectivity_report
 
     report = selectivity_report(args.run_dir)
     out.print_json(json.dumps(report, default=str))

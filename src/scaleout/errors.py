@@ -20,3 +20,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, corrupted or does not fit the model."""
+
+
+class FactoryError(UserError):
+    """A user's model, data or loss factory that raised or returned the wrong thing."""

@@ -8,16 +8,14 @@ Training FLOPs are taken as 3x the forward pass (forward, input gradients, weigh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from scaleout.config import RunConfig
-from scaleout.nn import build_model
-
-# Optimizer state per parameter, in parameter-sized buffers.
-OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2}
+from scaleout.errors import ConfigError
+from scaleout.nn.optim import STATE_BUFFERS as OPTIMIZER_STATE
 
 
 @dataclass
@@ -55,12 +53,24 @@ class ModelInfo:
         }
 
 
-def describe_model(config: RunConfig) -> ModelInfo:
-    """Parameter counts per layer, memory and FLOPs for the model of `config`."""
-    options = config.model.model_dump(exclude={"kind"})
+def describe_model(config: Any) -> ModelInfo:  # noqa: ANN401 - a RunConfig
+    """Parameter counts per layer, memory and FLOPs for the model of `config` (a
+    `RunConfig`); the input shape comes from the model's `input_shape`, or from one example
+    of the data when the model has none."""
+    if config.model is None:
+        raise ConfigError("[model] is missing: scaleout info describes the model a config names")
     with torch.device("meta"):
-        model = build_model(config.model.kind, **options)
-    input_shape = tuple(model.input_shape)
+        model = config.model.build()
+    input_shape = getattr(model, "input_shape", None)
+    if input_shape is None:
+        if config.data is None:
+            raise ConfigError(
+                f"model ({config.model.name}) has no input_shape and the config names no "
+                "[data] to take one example from"
+            )
+        train, _ = config.data.build(config.run.seed)
+        input_shape = tuple(train[0][0].shape)
+    input_shape = tuple(input_shape)
     if hasattr(model, "layer_costs"):  # the model counts its own layers exactly
         return _from_layer_costs(model, config, input_shape)
     counter = FlopCounterMode(display=False)
@@ -80,7 +90,7 @@ def describe_model(config: RunConfig) -> ModelInfo:
         if _has_own_parameters(module)
     ]
     return ModelInfo(
-        kind=config.model.kind,
+        kind=config.model.name,
         input_shape=input_shape,
         layers=layers,
         params=sum(p.numel() for p in model.parameters()),
@@ -90,7 +100,7 @@ def describe_model(config: RunConfig) -> ModelInfo:
     )
 
 
-def _from_layer_costs(model: nn.Module, config: RunConfig, input_shape: tuple) -> ModelInfo:
+def _from_layer_costs(model: nn.Module, config: Any, input_shape: tuple) -> ModelInfo:  # noqa: ANN401
     """Counts from `model.layer_costs()`, for layers FlopCounterMode cannot see into (custom
     autograd Functions); `model.cost_notes(...)` adds lines of its own (e.g. per stack)."""
     layers = [LayerInfo(**row) for row in model.layer_costs()]  # type: ignore[operator]
@@ -101,7 +111,7 @@ def _from_layer_costs(model: nn.Module, config: RunConfig, input_shape: tuple) -
             config.train.batch_size, bytes_per_value, OPTIMIZER_STATE[config.train.optimizer]
         )
     return ModelInfo(
-        kind=config.model.kind,
+        kind=config.model.name,
         input_shape=input_shape,
         layers=layers,
         params=sum(p.numel() for p in model.parameters()),

@@ -14,24 +14,40 @@ import math
 from pathlib import Path
 from typing import Any, TextIO
 
+from scaleout.checkpoint import atomic_write
+from scaleout.errors import ConfigError
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
+TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsLog:
-    """Append-only JSONL writer, flushed per line."""
+    """Append-only JSONL writer, flushed per line; with `tensorboard`, every numeric field is
+    also written as a TensorBoard scalar at the record's step (`test_*` under `test/`, the
+    rest under `train/`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tensorboard: Path | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = tensorboard_writer(tensorboard) if tensorboard is not None else None
         self._file: TextIO = open(path, "a")  # noqa: SIM115 - closed by close()
 
     def log(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._writer is not None:
+            step = record.get("step", 0)
+            for key, value in record.items():
+                if key != "step" and _finite(value) and not isinstance(value, bool):
+                    tag = f"test/{key[5:]}" if key.startswith("test_") else f"train/{key}"
+                    self._writer.add_scalar(tag, value, step)
+            self._writer.flush()
 
     def close(self) -> None:
         self._file.close()
+        if self._writer is not None:
+            self._writer.close()
 
     def __enter__(self) -> MetricsLog:
         return self
@@ -56,9 +72,28 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records after `last_step`: a resumed run re-does those steps and logs them again."""
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    """Drop records after `last_step`: a resumed run re-does those steps and logs them again.
+    The file is replaced atomically, so a crash here never loses the records kept."""
+    if not path.exists():
+        return
+    kept = "".join(
+        json.dumps(r) + "\n" for r in read_metrics(path) if r.get("step", 0) <= last_step
+    )
+    atomic_write(path, lambda tmp: tmp.write_text(kept))
+
+
+def tensorboard_writer(directory: Path) -> Any:  # noqa: ANN401 - a SummaryWriter
+    """A TensorBoard `SummaryWriter` for `directory`; a clear error when the optional
+    dependency is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "run.tensorboard = true needs the tensorboard package: pip install "
+            "'scaleout[tensorboard]' (or pip install tensorboard), or set run.tensorboard = false"
+        ) from None
+    directory.mkdir(parents=True, exist_ok=True)
+    return SummaryWriter(log_dir=str(directory))
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -81,6 +116,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         summary["final_test_accuracy"] = evals[-1]["test_accuracy"]
         summary["best_test_accuracy"] = best["test_accuracy"]
         summary["best_at_step"] = best["step"]
+    else:  # targets that are not class indices: the test loss is the measure
+        tested = [r for r in records if _finite(r.get("test_loss"))]
+        if tested:
+            summary["final_test_loss"] = tested[-1]["test_loss"]
     return summary
 
 
@@ -118,6 +157,51 @@ def plot_metrics(records: list[dict[str, Any]], out: Path, title: str = "") -> P
         for ax in (loss_ax, acc_ax):
             ax.grid(alpha=0.3)
     fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_terms(
+    records: list[dict[str, Any]], terms: list[str], phase_steps: int, out: Path
+) -> Path | None:
+    """An objective's terms (train, and the test objective where evaluated) against steps,
+    one panel per phase of layer-wise training (phase k: steps k * phase_steps + 1 ..)."""
+    rows = [r for r in records if all(_finite(r.get(t)) for t in terms)]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def phase(record: dict[str, Any]) -> int:
+        return (record["step"] - 1) // phase_steps + 1
+
+    phases = sorted({phase(r) for r in rows})
+    fig, axes = plt.subplots(1, len(phases), figsize=(4.5 * len(phases), 3.6), squeeze=False)
+    for ax, k in zip(axes[0], phases, strict=True):
+        mine = [r for r in rows if phase(r) == k]
+        steps = [r["step"] for r in mine]
+        for term in terms:
+            ax.plot(steps, [r[term] for r in mine], label=term)
+        tested = [r for r in mine if _finite(r.get("test_loss"))]
+        if tested:
+            ax.plot(
+                [r["step"] for r in tested],
+                [r["test_loss"] for r in tested],
+                "o-",
+                label="test objective",
+            )
+        ax.set_title(f"phase {k}")
+        ax.set_xlabel("step")
+        if all(r[t] > 0 for r in mine for t in terms):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[0][0].set_ylabel("per example")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

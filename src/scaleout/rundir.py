@@ -8,39 +8,59 @@ deleting only the files a run writes).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
-from scaleout.checkpoint import CheckpointDir
-from scaleout.config import RunConfig
+from scaleout.checkpoint import CheckpointDir, atomic_write
 from scaleout.errors import UserError
-from scaleout.metrics import METRICS_FILE, PLOT_FILE, plot_metrics, read_metrics, summarize
+from scaleout.metrics import (
+    METRICS_FILE,
+    PLOT_FILE,
+    TENSORBOARD_DIR,
+    plot_metrics,
+    read_metrics,
+    summarize,
+)
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+SHARD_DIR = "shards"
 # Everything a run writes into its directory, relative to it: `--overwrite` deletes these.
 RUN_FILES = (
     "metrics.jsonl",
     "metrics.png",
     "config.json",
     "pushes.jsonl",
+    "filters.png",
+    "objective.png",
     "checkpoints/step_*",
-    "shards/shard_*/step_*",
 )
+RUN_DIRS = (SHARD_DIR, TENSORBOARD_DIR)  # written only by runs: deleted whole
 
 
 class RunDir:
     def __init__(self, path: Path, keep_checkpoints: int = 2) -> None:
-        self.path = path
-        self.metrics = path / METRICS_FILE
-        self.plot = path / PLOT_FILE
-        self.config = path / CONFIG_FILE
-        self.checkpoints = CheckpointDir(path / CHECKPOINT_DIR, keep_checkpoints)
+        self.path = Path(path)
+        self.metrics = self.path / METRICS_FILE
+        self.plot = self.path / PLOT_FILE
+        self.config = self.path / CONFIG_FILE
+        self.shards = self.path / SHARD_DIR
+        self.tensorboard = self.path / TENSORBOARD_DIR
+        self.checkpoints = CheckpointDir(self.path / CHECKPOINT_DIR, keep_checkpoints)
 
     @classmethod
-    def prepare(cls, config: RunConfig, resume: bool = False, overwrite: bool = False) -> RunDir:
-        """Create (or reuse, with `resume`/`overwrite`) the run directory of `config`."""
-        run = cls(config.run_dir, config.train.keep_checkpoints)
+    def prepare(
+        cls,
+        path: Path,
+        record: dict[str, Any],
+        keep_checkpoints: int = 2,
+        resume: bool = False,
+        overwrite: bool = False,
+    ) -> RunDir:
+        """Create (or reuse, with `resume`/`overwrite`) the run directory `path`, and write
+        the run's config (`record`) to `config.json`."""
+        run = cls(path, keep_checkpoints)
         holds_run = run.metrics.exists() or bool(run.checkpoints.steps())
         if resume and not run.checkpoints.steps():
             raise UserError(
@@ -55,14 +75,17 @@ class RunDir:
         if overwrite and not resume:
             run.clear()
         run.path.mkdir(parents=True, exist_ok=True)
-        run.config.write_text(json.dumps(config.model_dump(mode="json"), indent=1))
+        text = json.dumps(record, indent=1)
+        atomic_write(run.config, lambda tmp: tmp.write_text(text))
         return run
 
     def clear(self) -> None:
-        """Delete what a run writes here (`RUN_FILES`), and nothing else."""
+        """Delete what a run writes here (`RUN_FILES`, `RUN_DIRS`), and nothing else."""
         for pattern in RUN_FILES:
             for path in self.path.glob(pattern):
                 path.unlink(missing_ok=True)
+        for name in RUN_DIRS:
+            shutil.rmtree(self.path / name, ignore_errors=True)
 
     def finish(self) -> dict[str, Any]:
         """Draw the plot from the metrics and return the run's summary."""

@@ -25,13 +25,12 @@ import numpy as np
 import ray
 import torch
 
+from scaleout.api import fit
 from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.config import TrainSection, config_from_dict
 from scaleout.metrics import read_metrics
-from scaleout.optim import STRATEGIES
 from scaleout.ps import ParameterServer
-from scaleout.rundir import RunDir
 from scaleout.runtime import session
+from scaleout.train.config import TrainSection
 
 BASE: dict[str, Any] = {
     "run": {"seed": 0, "device": "cpu", "num_threads": 1},
@@ -87,14 +86,13 @@ def _train(name: str, root: Path) -> list[dict[str, Any]]:
     }
     raw["train"] |= {"strategy": strategy, **train}
     raw["downpour"] |= downpour
-    config = config_from_dict(raw, source=f"bench downpour: {name}")
-    run = RunDir.prepare(config, overwrite=True)
     torch_threads = torch.get_num_threads()
     try:
-        STRATEGIES[strategy](config, run, False)
+        result = fit(raw, overwrite=True)
     finally:
         torch.set_num_threads(torch_threads)
-    return [r for r in read_metrics(run.metrics) if "test_accuracy" in r]
+    assert result.run_dir is not None
+    return [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "test_accuracy" in r]
 
 
 def _time_to(evals: list[dict[str, Any]], accuracy: float) -> float | None:
@@ -173,8 +171,9 @@ def _ray_example_rate(numel: int, seconds: float, num_workers: int = 2) -> tuple
 
 
 def _sharded_rate(numel: int, num_shards: int, seconds: float) -> tuple[float, float]:
-    train = TrainSection(optimizer="sgd", lr=0.01).model_dump()
-    server = ParameterServer.create(torch.zeros(numel), num_shards, train)
+    server = ParameterServer.create(
+        torch.zeros(numel), num_shards, TrainSection(optimizer="sgd", lr=0.01)
+    )
     actor = ray.remote(_PushPullWorker).options(num_cpus=0)
     workers = [actor.remote(server) for _ in range(2)]
     results = ray.get([w.run.remote(seconds) for w in workers])

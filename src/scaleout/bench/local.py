@@ -266,7 +266,7 @@ def peak_memory() -> int:
 
 def greedy_rows(rows: list[Row], notes: list[str], timings: dict) -> None:
     """Greedy training of the 1.8B network, stack by stack, with memory checked first."""
-    from scaleout.config import load_config
+    from scaleout.api import load_config
     from scaleout.data import natural_image_patches
     from scaleout.nn import build_model
 

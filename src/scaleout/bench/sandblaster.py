@@ -23,19 +23,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from scaleout.api import fit
 from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.config import config_from_dict
 from scaleout.data import load_image_idx
 from scaleout.metrics import read_metrics
-from scaleout.optim import STRATEGIES
-from scaleout.rundir import RunDir
 
 L2 = 1e-4
 CONVEX: dict[str, Any] = {
     "run": {"seed": 0, "device": "cpu", "num_threads": 1},
     "data": {"dataset": "mnist", "normalize": False},
     "model": {"kind": "mlp", "sizes": [784, 10]},
-    "train": {"strategy": "sandblaster", "eval_every": 1000, "checkpoint_every": 100_000},
+    "train": {
+        "strategy": "sandblaster",
+        "eval_every": 1000,
+        "log_every": 1,  # the objective at every iteration: the curve the suite plots
+        "checkpoint_every": 100_000,
+    },
     "sandblaster": {
         "num_shards": 2,
         "portion_size": 2000,
@@ -51,10 +54,9 @@ CONVEX: dict[str, Any] = {
 def _run(raw: dict[str, Any], name: str, root: Path) -> list[dict[str, Any]]:
     raw = {k: dict(v) for k, v in raw.items()}
     raw["run"] |= {"name": name, "out_dir": str(root)}
-    config = config_from_dict(raw, source=f"bench sandblaster: {name}")
     threads = torch.get_num_threads()
     try:
-        STRATEGIES[config.train.strategy](config, RunDir.prepare(config, overwrite=True), False)
+        fit(raw, overwrite=True)
     finally:
         torch.set_num_threads(threads)
     return read_metrics(root / name / "metrics.jsonl")

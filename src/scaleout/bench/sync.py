@@ -23,6 +23,7 @@ and 1 GPU 32.76 s / 43.52 s with / without parallel loading.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -35,13 +36,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from scaleout.api import build_job, config_from_dict
 from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.build import build_model_for, build_optimizer
-from scaleout.comm import ProcessGroup
-from scaleout.config import config_from_dict
 from scaleout.data.images import write_image_folder
-from scaleout.parallel.data_parallel import SyncWorker
+from scaleout.nn.optim import build_optimizer
 from scaleout.runtime import session
+from scaleout.strategies.group import ActorWorkers, WorkerActor
+from scaleout.strategies.worker import Role
 
 BATCH = 128  # effective batch
 ITERATIONS = 20  # the paper's table: time per 20 iterations
@@ -51,25 +52,40 @@ NUM_CLASSES = 10
 PAPER = {(2, True): 23.39, (2, False): 28.92, (1, True): 32.76, (1, False): 43.52}
 
 
-class _BenchWorker(SyncWorker):
-    """A sync worker that can also run a plain DDP loop and time its collectives."""
+class _BenchWorker(WorkerActor):
+    """A sync worker (the library's `Worker`, in `allreduce` or `average` mode) that can also
+    run the independent references this suite compares it with: PyTorch's DDP tutorial
+    loop, and forward + backward alone (no communication)."""
 
     def set_mode(self, mode: str) -> None:
-        self.opts = self.opts.model_copy(update={"mode": mode})
+        worker = self.worker
+        assert worker is not None
         if mode == "average":
-            self._ddp, self.network = self.network, self.model
+            self._ddp, worker.network = worker.network, worker.model
+            worker.role = dataclasses.replace(worker.role, ddp=False, average_every=1)
         elif getattr(self, "_ddp", None) is not None:
-            self.network = self._ddp
+            worker.network = self._ddp
+            worker.role = dataclasses.replace(worker.role, ddp=True, average_every=None)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        assert self.worker is not None
+        return self.worker.model
+
+    @property
+    def train_set(self) -> Any:  # noqa: ANN401
+        assert self.worker is not None
+        return self.worker.train_set
 
     def plain_ddp(self, steps: int) -> float:
         """The PyTorch DDP tutorial's loop on the same in-memory data; seconds."""
         if not hasattr(self, "_plain"):
-            model = build_model_for(self.config, self.train_set).to(self.device)
+            model = self.job.build_model(self.train_set)
             self._plain = DistributedDataParallel(model)
-            self._plain_optimizer = build_optimizer(model.parameters(), self.config.train)
-            self._generator = torch.Generator().manual_seed(self.rank)
+            self._plain_optimizer = build_optimizer(model.parameters(), self.job.train)
+            self._generator = torch.Generator().manual_seed(self.role.rank)
         x, y = self.train_set.x, self.train_set.y
-        per_worker = self.config.train.batch_size // self.world
+        per_worker = self.job.train.batch_size // self.role.world
         started = time.perf_counter()
         for _ in range(steps):
             index = torch.randint(len(x), (per_worker,), generator=self._generator)
@@ -84,7 +100,7 @@ class _BenchWorker(SyncWorker):
         run on one worker alone and on all at once, it measures how far this machine lets
         independent single-threaded processes scale."""
         x, y = self.train_set.x, self.train_set.y
-        per_worker = self.config.train.batch_size // self.world
+        per_worker = self.job.train.batch_size // self.role.world
         F.cross_entropy(self.model(x[:per_worker]), y[:per_worker]).backward()  # warm-up
         started = time.perf_counter()
         for _ in range(steps):
@@ -96,7 +112,7 @@ class _BenchWorker(SyncWorker):
         """Mean seconds per step of forward + backward alone and of one fp32 all-reduce of
         all gradients (what DDP moves per step, without overlap)."""
         x, y = self.train_set.x, self.train_set.y
-        per_worker = self.config.train.batch_size // self.world
+        per_worker = self.job.train.batch_size // self.role.world
         compute = communicate = 0.0
         for step in range(steps + 1):
             started = time.perf_counter()
@@ -134,15 +150,12 @@ def _config(root: Path, data: dict[str, Any], workers: int, loader_workers: int)
     )
 
 
-def _group(config: Any, workers: int) -> ProcessGroup:  # noqa: ANN401
-    group = ProcessGroup.create(
-        _BenchWorker,
-        workers,
-        args=(config.model_dump(mode="json"), None),
-        num_cpus=min(1.0, ray.cluster_resources().get("CPU", 1.0) / workers),
+def _group(config: Any, workers: int) -> ActorWorkers:  # noqa: ANN401
+    """`workers` sync workers in `allreduce` mode, as strategy "sync" starts them."""
+    role = Role(sliced=True, ddp=True)
+    return ActorWorkers(
+        build_job(config), role, workers, "sync worker", lambda: "", actor_class=_BenchWorker
     )
-    ray.get([w.start.remote() for w in group.actors])
-    return group
 
 
 def _table_one(root: Path, images: Path) -> dict[tuple[int, str], float]:
@@ -153,12 +166,12 @@ def _table_one(root: Path, images: Path) -> dict[tuple[int, str], float]:
         for loader_workers, name in ((1, "parallel"), (0, "serial")):
             group = _group(_config(root, data, workers, loader_workers), workers)
             try:
-                ray.get([w.train_chunk.remote(WARMUP) for w in group.actors])
+                group.call("train_chunk", WARMUP)
                 started = time.perf_counter()
-                outs = ray.get([w.train_chunk.remote(ITERATIONS) for w in group.actors])
+                outs = group.call("train_chunk", ITERATIONS)
                 times[(workers, name)] = time.perf_counter() - started
                 if name == "serial":
-                    waited = max(o["wait_s"] for o in outs)
+                    waited = max(o["fields"]["data_wait_s"] for o in outs) * ITERATIONS
                     times[(workers, "compute")] = times[(workers, name)] - waited
             finally:
                 group.close()
@@ -181,16 +194,21 @@ def _synchronisation(root: Path) -> dict[str, float]:
     steps = 10
     try:
         ours, plain, average = [], [], []
-        ray.get([w.train_chunk.remote(2) for w in group.actors])
+        group.call("train_chunk", 2)
         ray.get([w.plain_ddp.remote(2) for w in group.actors])
         for _ in range(3):  # alternate, so both see the same machine load
-            outs = ray.get([w.train_chunk.remote(steps) for w in group.actors])
+            outs = group.call("train_chunk", steps)
             ours.append(max(o["seconds"] for o in outs))
             plain.append(max(ray.get([w.plain_ddp.remote(steps) for w in group.actors])))
         ray.get([w.set_mode.remote("average") for w in group.actors])
         for _ in range(2):
-            outs = ray.get([w.train_chunk.remote(steps) for w in group.actors])
-            average.append((max(o["seconds"] for o in outs), max(o["average_s"] for o in outs)))
+            outs = group.call("train_chunk", steps)
+            average.append(
+                (
+                    max(o["seconds"] for o in outs),
+                    max(o["fields"]["average_s"] for o in outs) * steps,  # per step -> total
+                )
+            )
         shares = ray.get([w.comm_share.remote(steps) for w in group.actors])
         alone = ray.get(group.actors[0].compute_only.remote(steps))
         together = max(ray.get([w.compute_only.remote(steps) for w in group.actors]))

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from scaleout.errors import UserError
+from scaleout.runtime import describe_failure
+from scaleout.runtime.actors import spawn
 
 __all__ = [
     "GroupMember",
@@ -167,7 +169,6 @@ class ProcessGroup:
         `(rank, num_workers, *args)` when `rank_args`, else `(*args)`."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -183,18 +184,17 @@ class ProcessGroup:
                     f"cannot place {num_workers} workers of {bundle} each: the Ray cluster has "
                     f"{ray.cluster_resources()}; use fewer workers"
                 )
-            remote = ray.remote(actor_class)
             for rank in range(num_workers):
-                options = remote.options(
-                    num_cpus=num_cpus,
-                    num_gpus=num_gpus,
-                    max_restarts=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement, placement_group_bundle_index=rank
-                    ),
-                )
                 actor_args = (rank, num_workers, *(args or ())) if rank_args else tuple(args or ())
-                actors.append(options.remote(*actor_args))
+                actors.append(
+                    spawn(
+                        actor_class,
+                        *actor_args,
+                        num_cpus=num_cpus,
+                        num_gpus=num_gpus,
+                        placement=(placement, rank),
+                    )
+                )
             address, port = ray.get(actors[0].group_address.remote())
             pids = ray.get(
                 [
@@ -242,12 +242,12 @@ class ProcessGroup:
                         raise UserError(str(error.cause)) from None
                 dead = [(r, e) for r, e in errors if isinstance(e, RayActorError)]
                 rank, error = (dead or errors)[0]
-                text = str(error).strip()
-                cause = text.splitlines()[0] if text else type(error).__name__
+                what = "died" if dead else "failed"
                 pid = self.pids[rank] if rank < len(self.pids) else "?"
                 raise WorkerDied(
-                    f"{role} {rank} (pid {pid}) died while {doing}: {cause[:200]}; the others "
-                    f"cannot continue without it, so the run stopped {where()}"
+                    f"{role} {rank} (pid {pid}) {what} while {doing}: "
+                    f"{describe_failure(error)[:200]}; the others cannot continue without it, "
+                    f"so the run stopped {where()}"
                 ) from None
         return ray.get(futures)
 

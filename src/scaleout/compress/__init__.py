@@ -14,6 +14,7 @@ shared/notes/codecs.md for the tables and the original kernel's rounding.
 
 from scaleout.compress.autograd import compressed
 from scaleout.compress.codecs import Codec, FloatCodec, NonFiniteInput, TableCodec
+from scaleout.compress.config import CompressSection
 from scaleout.compress.ddp import ddp_hook
 from scaleout.compress.feedback import ErrorFeedback
 from scaleout.compress.onebit import OneBitCodec
@@ -24,6 +25,7 @@ __all__ = [
     "CODEC_NAMES",
     "EIGHT_BIT_CODECS",
     "Codec",
+    "CompressSection",
     "CorruptPayload",
     "Encoded",
     "ErrorFeedback",

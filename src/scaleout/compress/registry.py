@@ -1,5 +1,8 @@
 """Codecs by name: `get(name, **options)`, `from_config(section)`, `decode(encoded)`.
 
+`CODEC_NAMES` is the one list of codec names; the `[compress]` section takes its choices
+from it.
+
 The option names are those of the config's `[compress]` section (`block_size`,
 `refresh_every`, `rounding`, `exponent_offset`) plus `nonfinite`; an option that does not
 apply to the chosen codec is an error when it is set to anything but its default, so a
@@ -19,7 +22,7 @@ from scaleout.compress.payload import ABSMAX_CODECS, FIXED_SCALE_CODECS, Encoded
 from scaleout.compress.tables import Rounding
 
 if TYPE_CHECKING:
-    from scaleout.config import CompressSection
+    from scaleout.compress.config import CompressSection
 
 FLOAT_CODECS = ("fp32", "fp16", "bf16")
 EIGHT_BIT_CODECS = ("dynamic8", "dynamic8_bnb", "static8", "mantissa8", "linear8")

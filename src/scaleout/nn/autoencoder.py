@@ -55,6 +55,7 @@ from scaleout.nn.models import register_model
 
 __all__ = [
     "ObjectiveTerms",
+    "StackPhases",
     "SparseAutoencoderNetwork",
     "SparseAutoencoderStack",
     "tied_autoencode",
@@ -345,8 +346,35 @@ def _per_stack(value: object, num_stacks: int, name: str, depth: int = 0) -> lis
     return [value] * num_stacks
 
 
+class StackPhases:
+    """Greedy layer-wise training's interface (`scaleout.train.objective.LayerwiseModel`)
+    for a network of stacks: phase k trains stack k + 1 on the output of the frozen stacks
+    below. Needs `stacks`, `stack_objective`, `stack_parameter_groups`, `fit_alpha_` and
+    `train_only`; a model-parallel worker's part of the network has them too."""
+
+    stacks: nn.ModuleList
+
+    @property
+    def num_phases(self) -> int:
+        return len(self.stacks)
+
+    def phase_parameter_groups(self, phase: int, lr: float) -> list[dict]:
+        return self.stack_parameter_groups(phase, lr)  # type: ignore[attr-defined]
+
+    def begin_phase(self, x: Tensor, phase: int) -> None:
+        """Fit the stack's alpha on its first minibatch (`fit_alpha_`)."""
+        self.fit_alpha_(x, phase)  # type: ignore[attr-defined]
+
+    def phase_objective(self, x: Tensor, phase: int) -> dict[str, Tensor]:
+        terms: ObjectiveTerms = self.stack_objective(x, phase)  # type: ignore[attr-defined]
+        return {"reconstruction": terms.reconstruction, "sparsity": terms.sparsity}
+
+    def phase_metrics(self, phase: int) -> dict[str, float | int]:
+        return {"stack": phase + 1, "alpha": self.stacks[phase].alpha.item()}
+
+
 @register_model("sparse_autoencoder")
-class SparseAutoencoderNetwork(nn.Module):
+class SparseAutoencoderNetwork(StackPhases, nn.Module):
     """Stacks of `SparseAutoencoderStack`, each fed the previous one's output (COTS HPC
     section 3: three stacks make the 9-layer network). Every stack setting takes one value
     for all stacks or a list with one per stack; `alpha_lr_scale` is alpha's step size

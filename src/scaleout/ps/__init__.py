@@ -1,8 +1,22 @@
-"""The sharded parameter server: shards as Ray actors, and the client that drives them."""
+"""The sharded parameter server: shards as Ray actors, the server handle that reaches them,
+and the replica-side client that fetches and pushes on Downpour's schedule.
 
+Public API for users who keep their own training loop: `ParameterServer.create(...)` starts
+the shards; `ReplicaClient([(model.parameters(), server)], n_fetch, n_push)` wraps a loop
+(`before_step()` / `after_backward()` / `flush()`); see `examples/own_loop_downpour.py`.
+"""
+
+from scaleout.ps.client import ReplicaClient
 from scaleout.ps.layout import FlatParameters, shard_ranges
 from scaleout.ps.server import ParameterServer
 from scaleout.ps.shard import ParameterShard
 from scaleout.ps.wire import Wire
 
-__all__ = ["FlatParameters", "ParameterServer", "ParameterShard", "Wire", "shard_ranges"]
+__all__ = [
+    "FlatParameters",
+    "ParameterServer",
+    "ParameterShard",
+    "ReplicaClient",
+    "Wire",
+    "shard_ranges",
+]

@@ -12,6 +12,7 @@ span two shards.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +40,17 @@ class Entry:
 
 
 class FlatParameters:
-    """Parameters and gradients of `model` as views into two flat buffers."""
+    """Parameters and gradients of `params` (a module's trainable parameters, or a list of
+    `(name, parameter)` / parameters) as views into two flat buffers."""
 
-    def __init__(self, model: nn.Module) -> None:
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        dtypes = {p.dtype for _, p in params}
-        devices = {p.device for _, p in params}
+    def __init__(
+        self, params: nn.Module | Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]]
+    ) -> None:
+        named = _named(params)
+        if not named:
+            raise ValueError("a flat parameter vector needs at least one trainable parameter")
+        dtypes = {p.dtype for _, p in named}
+        devices = {p.device for _, p in named}
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(
                 f"a flat parameter vector needs one dtype and one device, got {dtypes} on {devices}"
@@ -52,18 +58,18 @@ class FlatParameters:
         (dtype,), (device,) = dtypes, devices
         self.entries: list[Entry] = []
         offset = 0
-        for name, p in params:
+        for name, p in named:
             self.entries.append(Entry(name, tuple(p.shape), offset, p.numel()))
             offset += p.numel()
         self.numel = offset
         self.params = torch.empty(offset, dtype=dtype, device=device)  # (P,)
         self.grads = torch.zeros(offset, dtype=dtype, device=device)  # (P,)
-        for entry, (_, p) in zip(self.entries, params, strict=True):
+        for entry, (_, p) in zip(self.entries, named, strict=True):
             view = self.params[entry.offset : entry.offset + entry.numel].view(entry.shape)
             view.copy_(p.detach())
             p.data = view
             p.grad = self.grads[entry.offset : entry.offset + entry.numel].view(entry.shape)
-        self._params = [p for _, p in params]
+        self._params = [p for _, p in named]
 
     def zero_grads(self) -> None:
         """Zero the gradient buffer in place (the parameters keep their views)."""
@@ -76,3 +82,14 @@ class FlatParameters:
 
     def names(self) -> list[str]:
         return [e.name for e in self.entries]
+
+
+def _named(
+    params: nn.Module | Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]],
+) -> list[tuple[str, nn.Parameter]]:
+    if isinstance(params, nn.Module):
+        return [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+    named = []
+    for i, item in enumerate(params):
+        named.append(item if isinstance(item, tuple) else (f"param{i}", item))
+    return named

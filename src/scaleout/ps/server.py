@@ -19,17 +19,22 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
+from scaleout.compress import CompressSection
+from scaleout.nn.optim import OptimizerOptions
 from scaleout.ps.layout import shard_ranges
 from scaleout.ps.shard import ParameterShard
 from scaleout.ps.wire import Wire
+from scaleout.runtime import kill, spawn
 
 # A shard restarted by Ray takes a few seconds to come back; callers retry this long.
 RETRY_SECONDS = 120.0
 
 
 class ParameterServer:
+    """The client side of S shards holding one flat vector (`ranges[i]` on shard i)."""
+
     def __init__(
-        self, shards: list[Any], ranges: list[tuple[int, int]], compress: dict[str, Any] | None
+        self, shards: list[Any], ranges: list[tuple[int, int]], compress: CompressSection | None
     ) -> None:
         self.shards = shards
         self.ranges = ranges
@@ -42,46 +47,68 @@ class ParameterServer:
         cls,
         initial: torch.Tensor,
         num_shards: int,
-        train: dict[str, Any],
-        compress: dict[str, Any] | None = None,
+        optimizer: OptimizerOptions,
+        compress: CompressSection | None = None,
         checkpoint_root: Path | None = None,
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | None = None,
         max_restarts: int = 10,
         resource: str | None = None,
+        wait: bool = True,
     ) -> ParameterServer:
-        """Start `num_shards` shard actors holding `initial` (P,), or their checkpoints.
+        """Start `num_shards` shard actors holding `initial` (P,), or their checkpoints in
+        `checkpoint_root/shard_<i>` when they have some; each applies pushed gradients with
+        the optimizer `optimizer` names.
 
         With `resource`, shards run only on nodes that offer that custom Ray resource.
         """
         ranges = shard_ranges(initial.numel(), num_shards)
-        actor = ray.remote(ParameterShard).options(
-            num_cpus=0,
-            max_restarts=max_restarts,
-            scheduling_strategy="SPREAD",
-            resources={resource: 0.001} if resource else None,
-        )
         shards = [
-            actor.remote(
+            spawn(
+                ParameterShard,
                 i,
                 stop - start,
-                train,
+                optimizer,
                 compress,
                 str(checkpoint_root / f"shard_{i}") if checkpoint_root else None,
                 checkpoint_every,
                 checkpoint_seconds,
+                num_cpus=0,
+                max_restarts=max_restarts,
+                resource=resource,
             )
             for i, (start, stop) in enumerate(ranges)
         ]
         flat = initial.detach().to("cpu", torch.float32)
         server = cls(shards, ranges, compress)
-        _get_with_retry(
-            lambda i: shards[i].initialize.remote(flat[ranges[i][0] : ranges[i][1]].numpy()),
-            num_shards,
-        )
+        server._initial = flat
+        server._pending = [
+            shard.initialize.remote(flat[start:stop].numpy())
+            for shard, (start, stop) in zip(shards, ranges, strict=True)
+        ]
+        if wait:
+            server.wait()
         return server
 
-    def __reduce__(self) -> tuple[type[ParameterServer], tuple[Any, ...]]:
+    def wait(self) -> None:
+        """Wait until every shard holds its initial slice (or its checkpoint): `create(...,
+        wait=False)` lets several servers start their processes at once."""
+        pending, flat = getattr(self, "_pending", None), getattr(self, "_initial", None)
+        if not pending:
+            return
+        try:
+            ray.get(pending)
+        except RayActorError:  # a shard died while starting: Ray restarts it, ask again
+            ranges = self.ranges
+            _get_with_retry(
+                lambda i: self.shards[i].initialize.remote(
+                    flat[ranges[i][0] : ranges[i][1]].numpy()  # type: ignore[index]
+                ),
+                len(self.shards),
+            )
+        self._pending, self._initial = [], None
+
+    def __reduce__(self) -> tuple[type[ParameterServer], tuple[Any, ...]]:  # shards and ranges
         return ParameterServer, (self.shards, self.ranges, self.compress)
 
     @property
@@ -121,8 +148,7 @@ class ParameterServer:
         return _get_with_retry(lambda i: self.shards[i].info.remote(), len(self.shards))
 
     def kill(self) -> None:
-        for shard in self.shards:
-            ray.kill(shard, no_restart=True)
+        kill(self.shards)
 
 
 def _get_with_retry(call: Callable[[int], Any], num_shards: int) -> list[Any]:

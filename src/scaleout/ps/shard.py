@@ -28,15 +28,15 @@ import ray
 import torch
 from torch import nn
 
-from scaleout.build import build_optimizer
 from scaleout.checkpoint import (
     CheckpointDir,
     load_checkpoint,
     load_optimizer_state,
     optimizer_state,
 )
-from scaleout.config import TrainSection
+from scaleout.compress import CompressSection
 from scaleout.errors import CheckpointError
+from scaleout.nn.optim import OptimizerOptions, build_optimizer
 from scaleout.ps.wire import Payload, Wire
 
 
@@ -45,8 +45,8 @@ class ParameterShard:
         self,
         shard_id: int,
         numel: int,
-        train: dict[str, Any],
-        compress: dict[str, Any] | None = None,
+        optimizer: OptimizerOptions,
+        compress: CompressSection | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | None = None,
@@ -57,7 +57,7 @@ class ParameterShard:
         self.pull_wire = Wire()  # parameters leave in fp32: 8 bits would drop small updates
         self.param = nn.Parameter(torch.zeros(numel))  # (n,) set by initialize() or a checkpoint
         self.param.grad = torch.zeros_like(self.param)
-        self.optimizer = build_optimizer([self.param], TrainSection.model_validate(train))
+        self.optimizer = build_optimizer([self.param], optimizer)
         self.version = 0
         self.checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every

@@ -15,21 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from scaleout.compress import CompressSection
+
 Payload = np.ndarray | bytes
 
 
 class Wire:
     """Encode/decode slices with the configured codec; fp32 is a plain array."""
 
-    def __init__(self, compress: dict[str, Any] | None = None) -> None:
-        self.compress = dict(compress or {})
-        self.codec_name = self.compress.get("codec", "fp32")
+    def __init__(self, compress: CompressSection | None = None) -> None:
+        self.compress = compress
+        self.codec_name = compress.codec if compress is not None else "fp32"
         self._codec: Any = None
-        if self.codec_name != "fp32" or self.compress.get("error_feedback"):
-            from scaleout.compress import from_config
-            from scaleout.config import CompressSection
-
-            self._codec = from_config(CompressSection.model_validate(self.compress))
+        if compress is not None and not compress.is_identity:
+            self._codec = compress.build()
 
     def encode(self, values: torch.Tensor, key: int | str | None = None) -> Payload:
         """Encode a slice; `key` names the stream whose residual error feedback keeps."""
@@ -52,5 +51,5 @@ class Wire:
     def nbytes(payload: Payload) -> int:
         return payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
 
-    def __reduce__(self) -> tuple[type[Wire], tuple[dict[str, Any]]]:
+    def __reduce__(self) -> tuple[type[Wire], tuple[CompressSection | None]]:
         return Wire, (self.compress,)

@@ -13,12 +13,27 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from scaleout.errors import UserError
+from scaleout.runtime.actors import cpu_share, kill, spawn
+from scaleout.runtime.device import resolve_device
+
+__all__ = [
+    "Runtime",
+    "connect",
+    "cpu_share",
+    "describe_failure",
+    "kill",
+    "resolve_device",
+    "session",
+    "shutdown",
+    "spawn",
+]
 
 
 @dataclass
@@ -92,7 +107,7 @@ def describe_failure(error: BaseException) -> str:
         raise UserError(str(cause)) from None
     if isinstance(error, RayTaskError) and cause is not None:
         return f"{type(cause).__name__}: {cause}".splitlines()[0]
-    text = str(error).strip()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()  # Ray colours its banner
     return text.splitlines()[0] if text else type(error).__name__
 
 

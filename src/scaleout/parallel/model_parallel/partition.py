@@ -42,6 +42,7 @@ from scaleout.nn.autoencoder import (
     ObjectiveTerms,
     SparseAutoencoderNetwork,
     SparseAutoencoderStack,
+    StackPhases,
     tied_autoencode,
 )
 from scaleout.nn.local import (
@@ -236,7 +237,7 @@ def _padding(pool: L2Pool2d, output: Window, clipped: Window) -> tuple[int, int,
     return tuple(amounts)  # type: ignore[return-value]
 
 
-class PartitionedAutoencoder(nn.Module):
+class PartitionedAutoencoder(StackPhases, nn.Module):
     """Worker `rank`'s part of a `SparseAutoencoderNetwork` on a px x py grid (see the module
     docstring). Build it on every worker from the same global network (same seed)."""
 
@@ -384,3 +385,33 @@ class PartitionedAutoencoder(nn.Module):
     def train_only(self, index: int) -> None:
         for k, stack in enumerate(self.stacks):
             stack.requires_grad_(k == index)
+
+    # --- what a worker of the grid needs besides the layer-wise interface --------------------
+
+    def reduce(self, values: Tensor) -> Tensor:
+        """Sum a worker's parts (of the objective, its terms) over the grid, in place."""
+        if dist.is_initialized():
+            dist.all_reduce(values, group=self.group)
+        return values
+
+    def replicated(self, param: nn.Parameter) -> bool:
+        """Whether every worker holds all of `param` (alpha) rather than its part."""
+        return any(param is stack.alpha for stack in self.stacks)
+
+    def _stack_of_weight(self, param: Tensor) -> int | None:
+        return next((k for k, s in enumerate(self.stacks) if param is s.weight), None)
+
+    def gather_parameter(self, param: nn.Parameter, value: Tensor) -> Tensor:
+        """`value` shaped like this worker's part of `param` (the parameter itself, or its
+        optimizer state) as the whole replica's tensor (on every worker)."""
+        stack = self._stack_of_weight(param)
+        if stack is None or tuple(value.shape) != tuple(param.shape):
+            return value
+        return self.gather_filters(stack, value)
+
+    def scatter_parameter(self, param: nn.Parameter, value: Tensor) -> Tensor:
+        """This worker's part of the whole replica's `value` for `param`."""
+        stack = self._stack_of_weight(param)
+        if stack is None or tuple(value.shape) != self.stacks[stack].global_weight_shape:
+            return value
+        return self.local_filters(stack, value)

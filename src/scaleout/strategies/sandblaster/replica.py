@@ -2,7 +2,8 @@
 
 Per portion: fetch x from the shards if the coordinator has moved it since (once per
 objective evaluation), compute the summed loss and gradient over the portion's examples
-(dropout off: a batch method needs a deterministic objective), and keep the gradient apart
+(eval mode: dropout off, BatchNorm on its running statistics: a batch method needs a
+deterministic objective), and keep the gradient apart
 until the coordinator's verdict arrives with the next call — accepted (first result for
 that portion) or dropped (a backup task that lost). Accepted gradients are summed and
 pushed to the shards every `push_every` portions and at the end of the batch (`flush`),
@@ -22,11 +23,11 @@ from typing import Any
 
 import ray
 import torch
-import torch.nn.functional as F
+from torch.utils.data import default_collate
 
-from scaleout.build import build_datasets, build_model_for
-from scaleout.config import RunConfig
 from scaleout.ps.layout import FlatParameters
+from scaleout.strategies.sandblaster import SandblasterSection
+from scaleout.train.job import Job
 
 
 class SandblasterReplica:
@@ -34,19 +35,22 @@ class SandblasterReplica:
         self,
         replica_id: int,
         incarnation: int,
-        config: dict[str, Any],
+        job: Job,
         shards: list[Any],
         ranges: list[tuple[int, int]],
     ) -> None:
-        self.config = RunConfig.model_validate(config)
-        self.opts = self.config.sandblaster
-        torch.set_num_threads(self.config.run.num_threads or 1)
+        self.opts = job.section("sandblaster", SandblasterSection)
+        torch.set_num_threads(job.run.num_threads or 1)
         self.replica_id = replica_id
         self.key = f"{replica_id}.{incarnation}"
         self.dtype = getattr(torch, self.opts.dtype)
-        train, _ = build_datasets(self.config)
+        torch.manual_seed(job.run.seed)
+        train, _ = job.build_data()
         self.data = train
-        self.model = build_model_for(self.config, train).to(self.dtype).eval()
+        self.loss = job.loss_fn()
+        # eval mode: dropout off, BatchNorm uses its (fixed) running statistics, so the
+        # objective is a deterministic function of the parameters, as L-BFGS needs
+        self.model = job.build_model(train).to(self.dtype).eval()
         self.flat = FlatParameters(self.model)
         self.shards, self.ranges = shards, ranges
         self.x_version = -1
@@ -86,18 +90,27 @@ class SandblasterReplica:
             if x_version != self.x_version:
                 self._fetch_x()
                 self.x_version = x_version
-            x, y = self.data.__getitems__(list(range(start, stop)))[:2]
+            x, y = self._portion(start, stop)
             logits = self.model(x.to(self.dtype))  # (n, num_classes)
-            loss = F.cross_entropy(logits, y, reduction="sum")
+            loss = self.loss(logits, y) * (stop - start)  # the portion's sum
             loss.backward()  # into self.flat.grads
             loss = loss.detach()
-            correct = int((logits.argmax(dim=1) == y).sum())
+            correct = int((logits.argmax(dim=1) == y).sum()) if logits.dim() == 2 else 0
             with self.sum_lock:
                 self.pending[(batch_id, portion)] = self.flat.grads.clone()
             self.flat.zero_grads()
             if self.opts.straggler_replica == self.replica_id:  # benchmarks only
                 time.sleep((self.opts.straggler_factor - 1) * (time.perf_counter() - started))
         return batch_id, portion, loss.item(), correct, stop - start
+
+    def _portion(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Examples [start, stop) as one batch (a batched fetch when the data has one)."""
+        indices = list(range(start, stop))
+        if hasattr(self.data, "__getitems__") and hasattr(self.data, "collate"):
+            x, y = self.data.__getitems__(indices)[:2]
+            return x, y
+        x, y = default_collate([self.data[i] for i in indices])[:2]
+        return x, y
 
     def flush(self, seq: int, batch_id: int, verdicts: dict[int, bool]) -> int:
         """Apply the last verdicts, push what is accepted, wait until the shards have it."""

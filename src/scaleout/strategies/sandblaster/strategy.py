@@ -1,23 +1,25 @@
 """Strategy "sandblaster": Sandblaster L-BFGS (DistBelief section 4.2) on Ray.
 
-The coordinator runs L-BFGS (`optim.lbfgs`) without a parameter vector of its own: x, the
-gradient, the direction and the history live on the shards (`ps.vectors.VectorShard`), and
-the coordinator sends them small commands. Each objective evaluation is one pass over the
-batch, cut into many small portions (`portion_size`, much smaller than 1/R of the batch)
-that the coordinator hands to whichever replica is free, so faster replicas do more. When
-no portion is left to hand out, idle replicas get copies of the portions still running
-(backup tasks); the first result wins and the others are dropped, so every example counts
-exactly once. A replica that dies has its accepted portions recomputed by others (the
-shards drop its sums), and is restarted.
+The coordinator runs L-BFGS (`lbfgs`) without a parameter vector of its own: x, the
+gradient, the direction and the history live on the shards (`scaleout.ps.vectors`), and the
+coordinator sends them small commands. Each objective evaluation is one pass over the batch,
+cut into many small portions (`portion_size`, much smaller than 1/R of the batch) that the
+coordinator hands to whichever replica is free, so faster replicas do more. When no portion
+is left to hand out, idle replicas get copies of the portions still running (backup tasks);
+the first result wins and the others are dropped, so every example counts exactly once. A
+replica that dies has its accepted portions recomputed by others (the shards drop its sums),
+and is restarted.
 
-The shards checkpoint every iteration together with the coordinator's scalars, so a
-restarted coordinator (`--resume`) continues from the shards' state.
+One step of the driver is one L-BFGS iteration. The shards checkpoint every iteration
+together with the coordinator's scalars, so a restarted coordinator (`--resume`) continues
+from the shards' state; the run's own checkpoints hold x as model weights.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,21 +27,19 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from scaleout.build import build_datasets, build_model_for, resolve_device
-from scaleout.config import RunConfig
-from scaleout.errors import UserError
-from scaleout.interrupt import StopOnInterrupt
-from scaleout.metrics import MetricsLog, truncate_metrics
-from scaleout.optim.lbfgs import LbfgsState, ShardedVectors, lbfgs
-from scaleout.optim.sandblaster_replica import SandblasterReplica
-from scaleout.optim.single import TrainResult, evaluate, show_progress
-from scaleout.progress import TrainingProgress, console
+from scaleout.errors import ConfigError, UserError
+from scaleout.progress import console
 from scaleout.ps.layout import FlatParameters, shard_ranges
 from scaleout.ps.vectors import VectorShard
 from scaleout.rundir import RunDir
-from scaleout.runtime import describe_failure, session
-
-SHARD_DIR = "shards"
+from scaleout.runtime import cpu_share, describe_failure, kill, resolve_device, spawn
+from scaleout.strategies.sandblaster import SandblasterSection
+from scaleout.strategies.sandblaster.lbfgs import LbfgsState, ShardedVectors, lbfgs
+from scaleout.strategies.sandblaster.replica import SandblasterReplica
+from scaleout.train.job import Job
+from scaleout.train.objective import Supervised, is_classification
+from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
+from scaleout.train.state import model_tensors
 
 
 class Interrupted(Exception):
@@ -47,41 +47,63 @@ class Interrupted(Exception):
 
 
 class Sandblaster:
-    def __init__(self, config: RunConfig, run: RunDir, resume: bool) -> None:
-        self.config, self.run, self.opts = config, run, config.sandblaster
-        self.threads_before = torch.get_num_threads()  # restored by close()
-        torch.set_num_threads(config.run.num_threads or 1)
-        torch.manual_seed(config.run.seed)
-        self.device = resolve_device(config.run.device)
-        train, self.test_set = build_datasets(config)
-        self.num_examples = min(self.opts.batch_size or len(train), len(train))  # type: ignore[arg-type]
-        dtype = getattr(torch, self.opts.dtype)
-        self.model = build_model_for(config, train).to(self.device, dtype).eval()
-        self.flat = FlatParameters(self.model)
-        self.ranges = shard_ranges(self.flat.numel, self.opts.num_shards)
-        actor = ray.remote(VectorShard).options(num_cpus=0, scheduling_strategy="SPREAD")
-        self.shards = [
-            actor.remote(i, stop - start, str(run.path / SHARD_DIR / f"shard_{i}"))
-            for i, (start, stop) in enumerate(self.ranges)
-        ]
-        self.space = ShardedVectors(self.shards)
-        self.state = LbfgsState(history=self.opts.history)
+    name = "sandblaster"
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.opts = job, job.section("sandblaster", SandblasterSection)
+        self.run = RunDir(job.run_dir)
+        if job.probe is not None and job.probe.layerwise:
+            raise ConfigError(
+                'train.strategy = "sandblaster" trains supervised models; model '
+                f'({job.model.name}) trains layer-wise: use strategy "single" or "downpour"'
+            )
+        probe = job.probe
+        if probe is not None and self.opts.num_shards > probe.num_parameters:
+            raise ConfigError(
+                f"sandblaster.num_shards = {self.opts.num_shards} exceeds the model's "
+                f"{probe.num_parameters} parameters: use at most {probe.num_parameters}"
+            )
+        self.lbfgs_state = LbfgsState(history=self.opts.history)
         self.x_version = self.batch_id = 0
         self.examples = self.duplicates = 0
         self.failures: list[dict[str, Any]] = []
         self.incarnations = [0] * self.opts.num_replicas
         self.calls = [0] * self.opts.num_replicas  # numbers each replica's calls in order
         self.running: dict[Any, tuple[int, int, int]] = {}  # future -> (replica, batch, portion)
-        self.elapsed = self._init_or_resume(resume)
-        cpus = ray.cluster_resources().get("CPU", 1.0)
-        self.replica_cpus = min(1.0, cpus / self.opts.num_replicas)
+        self.replicas: list[Any] = []
+        self.shards: list[Any] = []
+        self.stop: Callable[[], bool] = lambda: False
+        self.start_time = time.perf_counter()
+
+    def plan(self) -> Plan:
+        return Plan(total_steps=self.opts.max_iterations, batches_per_epoch=0)
+
+    def start(self, resume: Resume | None) -> dict[str, Any]:
+        job = self.job
+        self.device = resolve_device(job.run.device)
+        torch.manual_seed(job.run.seed)
+        train, self.test_set = job.build_data()
+        self.num_examples = min(self.opts.batch_size or len(train), len(train))  # type: ignore[arg-type]
+        dtype = getattr(torch, self.opts.dtype)
+        self.model = job.build_model(train).to(self.device, dtype).eval()
+        self.objective = Supervised(job.loss_fn(), is_classification(self.test_set))
+        self.flat = FlatParameters(self.model)
+        self.ranges = shard_ranges(self.flat.numel, self.opts.num_shards)
+        self.shards = [
+            spawn(VectorShard, i, stop - start, str(self.run.shards / f"shard_{i}"), num_cpus=0)
+            for i, (start, stop) in enumerate(self.ranges)
+        ]
+        self.space = ShardedVectors(self.shards)
+        counters = self._init_or_resume(resume is not None)
+        self.start_time = time.perf_counter() - counters.get("time_s", 0.0)
+        self.replica_cpus = cpu_share(self.opts.num_replicas)
         self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
         ray.get([replica.ready.remote() for replica in self.replicas])
-        self.interrupt: StopOnInterrupt | None = None
+        return counters
 
     # --- shards ----------------------------------------------------------------------------
 
-    def _init_or_resume(self, resume: bool) -> float:
+    def _init_or_resume(self, resume: bool) -> dict[str, Any]:
         """Give fresh shards x and the weight mask, or continue from their checkpoints."""
         mask = torch.cat(
             [
@@ -97,30 +119,41 @@ class Sandblaster:
             ]
         )
         if all(fresh):
-            return 0.0
+            if resume:
+                raise UserError(
+                    f"--resume: the shards in {self.run.shards} hold no checkpoint to continue "
+                    "the L-BFGS run from; start it again with --overwrite"
+                )
+            return {}
         if not resume:
             raise UserError(
                 f"{self.run.path} holds shard checkpoints: pass --resume or --overwrite"
             )
+        if any(fresh):
+            raise UserError(
+                f"--resume: some shards in {self.run.shards} hold no checkpoint (the model "
+                "or sandblaster.num_shards changed?); start again with --overwrite"
+            )
         states = [info["state"] for info in ray.get([s.info.remote() for s in self.shards])]
         if any(state != states[0] for state in states):
             raise UserError(
-                f"the shards in {self.run.path / SHARD_DIR} were checkpointed at different "
+                f"the shards in {self.run.shards} were checkpointed at different "
                 "iterations; the run cannot resume consistently (start again with --overwrite)"
             )
         saved = states[0]
-        self.state = LbfgsState(**saved["lbfgs"])
+        self.lbfgs_state = LbfgsState(**saved["lbfgs"])
         self.x_version, self.batch_id = saved["x_version"], saved["batch_id"]
         self.examples, self.duplicates = saved["examples"], saved["duplicates"]
-        truncate_metrics(self.run.metrics, self.state.iteration)
-        console.print(
-            f"resumed {self.run.path} at iteration {self.state.iteration} from the shards"
-        )
-        return saved["time_s"]
+        console.print(f"the shards hold L-BFGS iteration {self.lbfgs_state.iteration}")
+        return {
+            "step": self.lbfgs_state.iteration,
+            "examples": self.examples,
+            "time_s": saved["time_s"],
+        }
 
     def _checkpoint(self) -> None:
         state = {
-            "lbfgs": self.state.to_dict(),
+            "lbfgs": self.lbfgs_state.to_dict(),
             "x_version": self.x_version,
             "batch_id": self.batch_id,
             "examples": self.examples,
@@ -132,15 +165,15 @@ class Sandblaster:
     # --- replicas --------------------------------------------------------------------------
 
     def _spawn(self, replica_id: int) -> Any:  # noqa: ANN401
-        actor = ray.remote(SandblasterReplica).options(
-            num_cpus=self.replica_cpus, max_concurrency=2, scheduling_strategy="SPREAD"
-        )
-        return actor.remote(
+        return spawn(
+            SandblasterReplica,
             replica_id,
             self.incarnations[replica_id],
-            self.config.model_dump(mode="json"),
+            self.job,
             self.shards,
             self.ranges,
+            num_cpus=self.replica_cpus,
+            max_concurrency=2,
         )
 
     def _call(self, replica_id: int) -> int:
@@ -156,7 +189,7 @@ class Sandblaster:
         self.failures.append(
             {
                 "time_s": round(self.now(), 3),
-                "iteration": self.state.iteration,
+                "iteration": self.lbfgs_state.iteration,
                 "replica": replica_id,
                 "message": message[:300],
             }
@@ -174,7 +207,7 @@ class Sandblaster:
 
     def evaluate_batch(self) -> float:
         """f(x) over the batch; leaves the mean gradient (plus L2) in the shards' g."""
-        if self.interrupt is not None and self.interrupt.requested:
+        if self.stop():
             raise Interrupted
         self.x_version += 1
         self.batch_id += 1
@@ -283,109 +316,90 @@ class Sandblaster:
         results = self.space.run(commands)
         return f + (self.opts.l2 * results[2] if self.opts.l2 else 0.0)
 
-    # --- the run -------------------------------------------------------------------------------
+    # --- the driver's calls ---------------------------------------------------------------
 
     def now(self) -> float:
-        return time.perf_counter() - self.start
+        return time.perf_counter() - self.start_time
 
     def x(self) -> torch.Tensor:
         slices = ray.get([shard.pull.remote("x") for shard in self.shards])
         return torch.from_numpy(np.concatenate(slices))
 
-    def close(self) -> None:
-        torch.set_num_threads(self.threads_before)
-        for actor in [*self.replicas, *self.shards]:
-            ray.kill(actor, no_restart=True)
+    def train(self, num_steps: int, stop: Callable[[], bool]) -> Chunk:
+        """`num_steps` L-BFGS iterations (fewer when it converges or `stop()` turns true);
+        the shards checkpoint after each."""
+        self.stop = stop
+        first, examples = self.lbfgs_state.iteration, self.examples
+        last_step = [1.0]
 
-    def train(self) -> TrainResult:
+        def after_iteration(state: LbfgsState, step: float) -> None:
+            last_step[0] = step
+            self._checkpoint()
+
+        limit = min(first + num_steps, self.opts.max_iterations)
         try:
-            return self._train()
-        finally:
-            self.close()
-
-    def _train(self) -> TrainResult:
-        cfg = self.config.train
-        self.start = time.perf_counter() - self.elapsed
-        with (
-            MetricsLog(self.run.metrics) as log,
-            StopOnInterrupt() as self.interrupt,
-            TrainingProgress(self.opts.max_iterations, self.state.iteration, "sandblaster") as bar,
-        ):
-
-            def after_iteration(state: LbfgsState, step: float) -> None:
-                (max_grad,) = self.space.run([("max_abs", "g")])
-                record = {
-                    "time_s": round(self.now(), 4),
-                    "step": state.iteration,
-                    "examples": self.examples,
-                    "loss": state.f,
-                    "lr": step,
-                    "grad_max": max_grad,
-                    "evaluations": state.evaluations,
-                    "duplicates_dropped": self.duplicates,
-                    "replica_failures": len(self.failures),
-                }
-                if (
-                    state.iteration % cfg.eval_every == 0
-                    or state.iteration == self.opts.max_iterations
-                ):
-                    record["test_loss"], record["test_accuracy"] = self.test()
-                log.log(record)
-                show_progress(bar, record)
-                self._checkpoint()
-                if state.iteration % cfg.checkpoint_every == 0:
-                    self._save_model()
-
-            try:
-                lbfgs(
-                    self.space,
-                    self.evaluate_batch,
-                    self.state,
-                    self.opts.max_iterations,
-                    self.opts.tolerance_grad,
-                    self.opts.tolerance_change,
-                    self.opts.max_line_search,
-                    after_iteration,
-                )
-            except Interrupted:
-                console.print(
-                    f"interrupted at iteration {self.state.iteration}: the shards hold its "
-                    "checkpoint; continue with --resume"
-                )
-            else:
-                console.print(f"L-BFGS stopped: {self.state.done}")
-        self._save_model()
-        summary = self.run.finish()
-        summary.update(
-            final_objective=self.state.f,
-            iterations=self.state.iteration,
-            evaluations=self.state.evaluations,
-            duplicates_dropped=self.duplicates,
-            replica_failures=len(self.failures),
-            stopped=self.state.done,
-        )
-        return TrainResult(self.state.iteration, self.interrupt.requested, summary)
-
-    def test(self) -> tuple[float, float]:
-        self.flat.params.copy_(self.x().to(self.flat.params.device, self.flat.params.dtype))
-        return evaluate(self.model, self.test_set, self.config.train.eval_batch_size, self.device)
-
-    def _save_model(self) -> None:
-        """The final parameters as a run checkpoint, like every strategy writes."""
-        self.flat.params.copy_(self.x().to(self.flat.params.device, self.flat.params.dtype))
-        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
-        meta = {
-            "step": self.state.iteration,
-            "examples": self.examples,
-            "time_s": self.now(),
-            "strategy": "sandblaster",
-            "objective": self.state.f,
-            "failures": self.failures,
-            "config": self.config.model_dump(mode="json"),
+            lbfgs(
+                self.space,
+                self.evaluate_batch,
+                self.lbfgs_state,
+                limit,
+                self.opts.tolerance_grad,
+                self.opts.tolerance_change,
+                self.opts.max_line_search,
+                after_iteration,
+            )
+        except Interrupted:
+            pass  # the shards hold the last iteration's checkpoint
+        stopped = self.lbfgs_state.done
+        if stopped == "max_iterations reached":
+            stopped = None  # the driver's plan ends the run there
+        self.lbfgs_state.done = stopped
+        (max_grad,) = self.space.run([("max_abs", "g")])
+        fields = {
+            "loss": self.lbfgs_state.f,
+            "lr": last_step[0],
+            "grad_max": max_grad,
+            "evaluations": self.lbfgs_state.evaluations,
+            "duplicates_dropped": self.duplicates,
+            "replica_failures": len(self.failures),
         }
-        self.run.checkpoints.save(self.state.iteration, tensors, meta)
+        return Chunk(
+            steps=self.lbfgs_state.iteration - first,
+            examples=self.examples - examples,
+            fields=fields,
+            stopped=stopped,
+        )
 
+    def metrics(self) -> dict[str, Any]:
+        return {}
 
-def train_sandblaster(config: RunConfig, run: RunDir, resume: bool = False) -> TrainResult:
-    with session(config.run.address):
-        return Sandblaster(config, run, resume).train()
+    def _load_x(self) -> None:
+        self.flat.params.copy_(self.x().to(self.flat.params.device, self.flat.params.dtype))
+
+    def evaluate(self) -> dict[str, float]:
+        self._load_x()
+        return self.objective.evaluate(
+            self.model, self.test_set, self.job.train.eval_batch_size, self.device
+        )
+
+    def state(self) -> tuple[Tensors, dict[str, Any]]:
+        """x as the model's weights (a run checkpoint like every strategy writes)."""
+        self._load_x()
+        meta = {"objective": self.lbfgs_state.f, "failures": self.failures}
+        return model_tensors(self.model), meta
+
+    def finish(self) -> Chunk:
+        return Chunk()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "final_objective": self.lbfgs_state.f,
+            "iterations": self.lbfgs_state.iteration,
+            "evaluations": self.lbfgs_state.evaluations,
+            "duplicates_dropped": self.duplicates,
+            "replica_failures": len(self.failures),
+        }
+
+    def close(self) -> None:
+        kill([*self.replicas, *self.shards])
+        self.replicas, self.shards = [], []

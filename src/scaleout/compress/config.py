@@ -1,0 +1,34 @@
+"""The `[compress]` section: how messages travel (Downpour pushes, DDP's all-reduce, the
+model-parallel exchanges). Codec names come from the codec registry."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import PositiveInt
+
+from scaleout.compress.codecs import Codec
+from scaleout.compress.registry import CODEC_NAMES, from_config
+from scaleout.config import Section
+
+CodecName = Literal[CODEC_NAMES]  # type: ignore[valid-type]
+
+
+class CompressSection(Section):
+    """Compression of every message (Dettmers 2015): see `scaleout.compress`."""
+
+    codec: CodecName = "fp32"
+    block_size: PositiveInt | None = None  # absmax per block of this many values; None: per tensor
+    refresh_every: PositiveInt = 1  # recompute the absmax every k calls (the paper: 50)
+    rounding: Literal["nearest", "paper"] = "nearest"
+    exponent_offset: int | None = None  # static8 / mantissa8; None: the codec's default
+    error_feedback: bool = False  # keep the quantisation residual and add it to the next message
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether messages travel as plain fp32 arrays."""
+        return self.codec == "fp32" and not self.error_feedback
+
+    def build(self) -> Codec:
+        """The codec this section describes (with error feedback when asked for)."""
+        return from_config(self)

@@ -1,0 +1,258 @@
+"""`[data]` and `[loader]` sections: the shipped data sets by `dataset`, or a user's factory.
+
+Each data section builds the (train, test) pair (`build(seed)`), names itself (`name`) and
+checks, before anything starts, that its files are on disk (`check()`). A factory section
+names a function "package.module:function" that returns `(train, test)`, two map-style
+`torch.utils.data.Dataset`s yielding `(x, y)` (or `(x,)` for unlabelled data).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+from torch.utils.data import Dataset
+
+from scaleout.config import Section
+from scaleout.errors import DataError, FactoryError
+from scaleout.factories import call_factory, load_callable
+
+
+class DataSource(Section):
+    """Base of the `[data]` sections."""
+
+    dataset: str
+
+    @property
+    def name(self) -> str:
+        return self.dataset
+
+    def check(self) -> None:
+        """Raise `DataError` when the files this section reads are missing."""
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset]:
+        raise NotImplementedError
+
+
+class _Subsets(DataSource):
+    num_train: PositiveInt | None = None  # use only the first N examples (quick runs)
+    num_test: PositiveInt | None = None
+
+    def _cut(self, train: Any, test: Any) -> tuple[Dataset, Dataset]:  # noqa: ANN401
+        if self.num_train is not None:
+            train = train.subset(self.num_train)
+        if self.num_test is not None:
+            test = test.subset(self.num_test)
+        return train, test
+
+
+class ImageIdxData(_Subsets):
+    """MNIST (shipped with the project) or Fashion-MNIST, read from IDX files."""
+
+    dataset: Literal["mnist", "fashion_mnist"]
+    path: Path | None = None  # default: $SCALEOUT_DATA, the project's copy, ../shared/data
+    normalize: bool = True
+
+    def check(self) -> None:
+        from scaleout.data.datasets import find_data_dir
+
+        find_data_dir(self.dataset, self.path)
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset]:
+        from scaleout.data.datasets import load_image_idx
+
+        train = load_image_idx(self.dataset, "train", self.path, self.normalize)
+        test = load_image_idx(self.dataset, "test", self.path, self.normalize)
+        return self._cut(train, test)
+
+
+class NpzData(_Subsets):
+    """Arrays in one .npz file: x_train, y_train, x_test, y_test."""
+
+    dataset: Literal["npz"]
+    path: Path
+
+    def check(self) -> None:
+        if not self.path.is_file():
+            raise DataError(
+                f"data.path {self.path} is not a file; point data.path at a .npz holding "
+                "x_train, y_train, x_test, y_test"
+            )
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset]:
+        from scaleout.data.datasets import load_npz
+
+        train, test = load_npz(self.path, "train"), load_npz(self.path, "test")
+        test.num_classes = train.num_classes = max(train.num_classes, test.num_classes)
+        return self._cut(train, test)
+
+
+class SyntheticData(DataSource):
+    """Generated examples of any shape: class means plus noise, made on demand."""
+
+    dataset: Literal["synthetic"]
+    input_shape: Annotated[list[PositiveInt], Field(min_length=1)]
+    num_classes: Annotated[int, Field(ge=2)] = 10
+    num_train: PositiveInt = 10_000
+    num_test: PositiveInt = 2_000
+    signal: NonNegativeFloat = 1.0
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset]:
+        from scaleout.data.datasets import SyntheticDataset
+
+        shape, classes = self.input_shape, self.num_classes
+        # Same class patterns (task_seed), different examples (seed) in the two splits.
+        train = SyntheticDataset(
+            self.num_train, shape, classes, 2 * seed, self.signal, task_seed=seed
+        )
+        test = SyntheticDataset(
+            self.num_test, shape, classes, 2 * seed + 1, self.signal, task_seed=seed
+        )
+        return train, test
+
+
+class PatchData(DataSource):
+    """Whitened patches of scikit-image's bundled natural photos (unlabelled)."""
+
+    dataset: Literal["patches"]
+    patch_size: PositiveInt = 16
+    channels: PositiveInt = 1
+    num_train: PositiveInt = 10_000
+    num_test: PositiveInt = 1_000
+    images: list[str] | None = None  # default: every bundled photo
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset]:
+        from scaleout.data.patches import NATURAL_IMAGES, natural_image_patches
+
+        images = tuple(self.images) if self.images else NATURAL_IMAGES
+        size, channels = self.patch_size, self.channels
+        train = natural_image_patches(size, self.num_train, images, seed, channels)
+        test = natural_image_patches(size, self.num_test, images, seed + 1, channels)
+        return train, test
+
+
+class ImagePreprocessing(_Subsets):
+    """Krizhevsky et al.'s preprocessing, done by the loader: resize, subtract the mean
+    image, random crop and horizontal flip (training split; the test split is centre-cropped)."""
+
+    path: Path
+    image_size: PositiveInt | None = None  # resize images to this side first; None: as stored
+    crop: PositiveInt | None = None  # random crop side (227 of 256 in AlexNet); None: no crop
+    flip: bool = True  # random horizontal flip of training images
+    mean_image: bool = True  # subtract the per-pixel mean of (up to 1000) training images
+
+    def check(self) -> None:
+        from scaleout.data.images import check_image_data
+
+        check_image_data(self.dataset, self.path)
+
+    def _options(self, seed: int) -> dict[str, Any]:
+        return dict(image_size=self.image_size, crop=self.crop, flip=self.flip, seed=seed)
+
+
+class ImageFolderData(ImagePreprocessing):
+    """JPEG / PNG files in `path/train/<class>/*` and `path/test/<class>/*` (ImageFolder)."""
+
+    dataset: Literal["image_folder"]
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset]:
+        from scaleout.data.images import ImageFolderDataset
+
+        options = self._options(seed)
+        train = ImageFolderDataset(self.path, "train", mean_image=self.mean_image, **options)
+        test = ImageFolderDataset(
+            self.path, "test", classes=train.classes, mean_image=_mean(train), **options
+        )
+        return self._cut(train, test)
+
+
+class NpyData(ImagePreprocessing):
+    """Images in .npy files: `path/{x,y}_{train,test}.npy`, x (N, H, W, C) uint8 or
+    (N, C, H, W) float, read memory-mapped."""
+
+    dataset: Literal["npy"]
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset]:
+        from scaleout.data.images import NpyDataset
+
+        options = self._options(seed)
+        train = NpyDataset(self.path, "train", mean_image=self.mean_image, **options)
+        test = NpyDataset(self.path, "test", mean_image=_mean(train), **options)
+        test.num_classes = train.num_classes = max(train.num_classes, test.num_classes)
+        return self._cut(train, test)
+
+
+def _mean(train: Dataset) -> torch.Tensor | bool:
+    """The training set's mean image for the test set (False: no mean subtraction)."""
+    mean = getattr(train, "mean", None)
+    return mean if mean is not None else False
+
+
+class FactoryData(DataSource):
+    """A user's data: `factory = "package.module:function"` returning `(train, test)`,
+    called with `kwargs` in every worker."""
+
+    dataset: Literal["factory"] = "factory"
+    factory: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.factory
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset]:
+        fn = load_callable(self.factory, "data.factory")
+        return check_datasets(call_factory(fn, self.factory, "data", self.kwargs), self.factory)
+
+
+def check_datasets(pair: object, name: str) -> tuple[Dataset, Dataset]:
+    """`pair` if it is (train, test) of map-style datasets; a `FactoryError` naming the
+    factory and what it returned otherwise."""
+    what = f"data factory {name}"
+    if isinstance(pair, Dataset) or not isinstance(pair, tuple | list):
+        raise FactoryError(
+            f"{what} returned {type(pair).__name__}; it must return (train, test), two datasets"
+        )
+    if len(pair) != 2:
+        raise FactoryError(
+            f"{what} returned {len(pair)} values; it must return (train, test), two datasets"
+        )
+    for split, dataset in zip(("train", "test"), pair, strict=True):
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise FactoryError(
+                f"{what} returned a {type(dataset).__name__} as the {split} set; expected a "
+                "map-style torch.utils.data.Dataset (with __getitem__ and __len__)"
+            )
+        if len(dataset) == 0:
+            raise FactoryError(f"{what} returned an empty {split} set")
+        example = dataset[0]
+        if not isinstance(example, tuple | list) or not 1 <= len(example) <= 2:
+            raise FactoryError(
+                f"{what}: the {split} set yields {type(example).__name__}; each example must "
+                "be a tuple (x, y), or (x,) for unlabelled data"
+            )
+    return pair[0], pair[1]
+
+
+DATA_SECTIONS: tuple[type[DataSource], ...] = (
+    ImageIdxData,
+    NpzData,
+    SyntheticData,
+    PatchData,
+    ImageFolderData,
+    NpyData,
+    FactoryData,
+)
+
+
+class LoaderSection(Section):
+    workers: NonNegativeInt = 0  # 0: load in the training process
+    pin_memory: bool | Literal["auto"] = "auto"  # auto: pin when training on CUDA
+    prefetch_factor: PositiveInt = 2  # batches each loader process prepares ahead
+    device_prefetch: bool = True  # copy batch k+1 to the device (non-blocking) while k trains
+
+    def pins(self, device: torch.device) -> bool:
+        """Whether batches go to pinned memory for `device`."""
+        return device.type == "cuda" if self.pin_memory == "auto" else self.pin_memory

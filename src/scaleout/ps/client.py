@@ -1,0 +1,340 @@
+"""A replica's side of the parameter server, for any training loop (Downpour SGD's schedule).
+
+    server = ParameterServer.create(initial, num_shards=2, optimizer=train_section)
+    client = ReplicaClient([(model.parameters(), server)], n_fetch=3, n_push=3)
+    for x, y in loader:
+        client.before_step()             # every n_fetch steps: fetch fresh parameters
+        loss_fn(model(x), y).backward()  # gradients add up in the client's flat buffer
+        client.after_backward()          # every n_push steps: push them, without waiting
+    client.flush()                       # push the rest, wait for the shards, fetch the end
+
+Schedule (DistBelief section 4.1): every `n_fetch` steps the replica pulls fresh parameters
+from all shards in parallel; between fetches its parameters do not change (only the shards
+apply updates). Autograd adds every step's gradient into a flat buffer (the parameters and
+their `.grad` become views of two flat buffers, `FlatParameters`: no copies), and every
+`n_push` steps the client sends each shard its slice and goes on without waiting for the
+shards to apply it; the results of a push (new versions, staleness) are collected at the
+next one. Do not call `optimizer.zero_grad()` or `model.zero_grad()`: the client zeroes the
+buffer after each push.
+
+`lanes` pairs parameters with the server that holds them: several servers when parameter
+groups step differently (e.g. the sparse autoencoder's alpha on a shard of its own with a
+smaller learning rate). `after_pull` runs after each fetch (a model-parallel grid broadcasts
+its replicated parameters there); `before_push` before each push (the grid sums those
+parameters' gradients), `after_push` after it.
+
+With `threads=True` fetch, compute and push run in three weakly synchronised threads, as in
+the paper's appendix: the compute thread adopts whatever parameters the fetch thread last
+brought and hands its accumulated gradients to the push thread through a short queue, so
+communication overlaps computation.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+from torch import nn
+
+from scaleout.ps.layout import FlatParameters
+from scaleout.ps.server import ParameterServer
+
+Params = Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]]
+Hook = Callable[[], None]
+
+
+@dataclass
+class Lane:
+    flat: FlatParameters
+    server: ParameterServer
+    versions: list[int]
+
+
+class ReplicaClient:
+    def __init__(
+        self,
+        lanes: Sequence[tuple[Params, ParameterServer]],
+        n_fetch: int = 1,
+        n_push: int = 1,
+        threads: bool = False,
+        after_pull: Hook | None = None,
+        before_push: Hook | None = None,
+        after_push: Hook | None = None,
+    ) -> None:
+        if n_fetch < 1 or n_push < 1:
+            raise ValueError(f"n_fetch and n_push must be >= 1, got {n_fetch} and {n_push}")
+        self.lanes: list[Lane] = []
+        for params, server in lanes:
+            flat = FlatParameters(params)
+            if flat.numel != server.numel:
+                raise ValueError(
+                    f"these parameters hold {flat.numel} values, the server {server.numel}: "
+                    "give the parameters the server was created from"
+                )
+            self.lanes.append(Lane(flat, server, [0] * len(server.shards)))
+        self.n_fetch, self.n_push = n_fetch, n_push
+        self.after_pull, self.before_push, self.after_push = after_pull, before_push, after_push
+        self.steps = 0
+        self.stats = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0}
+        self.staleness: list[float] = []
+        self._received = 0  # bytes pulled since the last push record
+        self._seconds = {"fetch": 0.0, "push": 0.0}
+        self._pending: list[tuple[list[Any], dict[str, Any]]] = []
+        self._records: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # the push thread appends records, `take_records` takes
+        self._pipeline: _Pipeline | None = _Pipeline(self) if threads else None
+
+    # --- the two calls around a training step ----------------------------------------------
+
+    def before_step(self) -> None:
+        """Fetch the shards' parameters when one is due (every `n_fetch` steps)."""
+        started = time.perf_counter()
+        if self._pipeline is not None:
+            self._pipeline.adopt_fresh_parameters()
+        elif self.steps % self.n_fetch == 0:
+            self.fetch()
+        self._seconds["fetch"] += time.perf_counter() - started
+
+    def after_backward(self, **info: Any) -> None:  # noqa: ANN401
+        """Count the step; push the accumulated gradient when one is due (every `n_push`
+        steps). `info` (e.g. the loss since the last push) goes into the push's record."""
+        self.steps += 1
+        if self.steps % self.n_push == 0:
+            self.push(**info)
+
+    # --- communication -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def fetch(self, update_versions: bool = True) -> None:
+        """Pull every shard's current values into the parameters now. `update_versions`
+        False: a look at the shards (evaluation) that the next push's staleness ignores."""
+        for lane in self.lanes:
+            versions, received = lane.server.pull_into(lane.flat.params)
+            if update_versions:
+                lane.versions = versions
+                self._received += received
+                self.stats["bytes_received"] += received
+        if update_versions:
+            self.stats["pulls"] += 1
+        if self.after_pull is not None:
+            self.after_pull()
+
+    def push(self, **info: Any) -> None:  # noqa: ANN401
+        """Send the accumulated gradient now (without waiting for it to be applied)."""
+        started = time.perf_counter()
+        if self.before_push is not None:
+            self.before_push()
+        record = {"t": time.time(), **info}
+        record.update({f"{k}_s": round(v, 6) for k, v in self._seconds.items()})
+        self._seconds = dict.fromkeys(self._seconds, 0.0)
+        if self._pipeline is not None:
+            grads = [lane.flat.grads.clone() for lane in self.lanes]
+            versions = [list(lane.versions) for lane in self.lanes]
+            self._zero()
+            self._pipeline.push(grads, versions, record)
+        else:
+            self._collect(wait=True)  # the previous push has long been applied
+            self._send(
+                [lane.flat.grads for lane in self.lanes],
+                [lane.versions for lane in self.lanes],
+                record,
+            )
+            self._zero()  # the payloads were copied into the object store
+        self._seconds["push"] += time.perf_counter() - started
+
+    def _zero(self) -> None:
+        for lane in self.lanes:
+            lane.flat.zero_grads()
+        if self.after_push is not None:
+            self.after_push()
+
+    def _send(
+        self, grads: list[torch.Tensor], versions: list[list[int]], record: dict[str, Any]
+    ) -> None:
+        futures, sent = [], 0
+        for lane, grad, version in zip(self.lanes, grads, versions, strict=True):
+            lane_futures, lane_sent = lane.server.push(grad, version)
+            futures += lane_futures
+            sent += lane_sent
+        record.update(bytes_sent=sent, bytes_received=self._received)
+        self._received = 0
+        self.stats["pushes"] += 1
+        self.stats["bytes_sent"] += sent
+        self._pending.append((futures, record))
+
+    def _collect(self, wait: bool) -> None:
+        """Turn finished pushes into records: staleness per shard, or lost if a shard died."""
+        still = []
+        for futures, record in self._pending:
+            if not wait and not all(_ready(f) for f in futures):
+                still.append((futures, record))
+                continue
+            staleness, lost = [], 0
+            for future in futures:
+                try:
+                    _, stale = ray.get(future)
+                    staleness.append(stale)
+                except RayActorError:
+                    lost += 1  # the shard died before applying it
+            record.update(
+                staleness=sum(staleness) / len(staleness) if staleness else None,
+                staleness_max=max(staleness) if staleness else None,
+                shards_lost=lost,
+            )
+            self.staleness += staleness
+            with self._lock:
+                self._records.append(record)
+        self._pending = still
+
+    def take_records(self) -> list[dict[str, Any]]:
+        """The records of the pushes applied since the last call (`t`: wall time of the push,
+        `bytes_sent`, `bytes_received`, `fetch_s` and `push_s` spent since the previous one,
+        `staleness` (mean over shards), `staleness_max`, `shards_lost`, and the `info`)."""
+        with self._lock:
+            records, self._records = self._records, []
+        return records
+
+    def flush(self, pull: bool = True, **info: Any) -> list[dict[str, Any]]:  # noqa: ANN401
+        """Push what is left, wait until the shards applied every push, and (`pull`) adopt
+        their final values; return the last records. Replicas that must end equal flush
+        all with `pull=False` first, then `fetch()`: a value is final once every push is in."""
+        if self._pipeline is not None:
+            self._pipeline.stop()
+            self._pipeline = None
+        if self.steps % self.n_push:
+            self.push(**info)
+        self._collect(wait=True)
+        if pull:
+            self.fetch()
+        return self.take_records()
+
+    def close(self) -> None:
+        """Stop the pipeline threads (nothing more is pushed)."""
+        if self._pipeline is not None:
+            self._pipeline.stop()
+            self._pipeline = None
+
+
+def _ready(future: Any) -> bool:  # noqa: ANN401
+    done, _ = ray.wait([future], timeout=0)
+    return bool(done)
+
+
+class _Pipeline:
+    """Fetch and push threads beside the compute thread (`threads=True`).
+
+    Weak synchronisation: the compute thread adopts the newest fetched parameters when
+    there are any and never runs more than `2 * n_fetch` steps on the same ones (it waits
+    for the fetch thread then); the push thread is at most two pushes behind (a queue of
+    two). Without these bounds a fast compute thread runs on ever staler parameters.
+    """
+
+    def __init__(self, client: ReplicaClient) -> None:
+        self.client = client
+        self.fresh = [torch.empty_like(lane.flat.params) for lane in client.lanes]
+        self.fresh_versions: list[list[int]] | None = None
+        self.fresh_ready = threading.Event()
+        self.steps_on_current = 0
+        self.lock = threading.Lock()
+        self.fetch_due = threading.Event()
+        self.fetch_due.set()
+        self.outbox: queue.Queue[
+            tuple[list[torch.Tensor], list[list[int]], dict[str, Any]] | None
+        ] = queue.Queue(maxsize=2)
+        self.running = True
+        self.error: BaseException | None = None
+        self.steps_since_fetch = 0
+        self.fetcher = threading.Thread(target=self._fetch_loop, daemon=True)
+        self.pusher = threading.Thread(target=self._push_loop, daemon=True)
+        self.fetcher.start()
+        self.pusher.start()
+        self._wait_fresh()
+        self.adopt_fresh_parameters()
+
+    def _wait_fresh(self) -> None:
+        while not self.fresh_ready.wait(timeout=0.1):
+            if self.error is not None:
+                raise self.error
+
+    @torch.no_grad()
+    def adopt_fresh_parameters(self) -> None:
+        """Compute thread: take the newest fetched parameters, if any; ask for the next."""
+        if self.error is not None:
+            raise self.error
+        if self.steps_on_current >= 2 * self.client.n_fetch:
+            self._wait_fresh()
+        with self.lock:
+            if self.fresh_versions is not None:
+                for lane, fresh, versions in zip(
+                    self.client.lanes, self.fresh, self.fresh_versions, strict=True
+                ):
+                    lane.flat.params.copy_(fresh)
+                    lane.versions = versions
+                self.fresh_versions = None
+                self.fresh_ready.clear()
+                self.steps_on_current = 0
+                if self.client.after_pull is not None:
+                    self.client.after_pull()
+        self.steps_on_current += 1
+        self.steps_since_fetch += 1
+        if self.steps_since_fetch >= self.client.n_fetch:
+            self.steps_since_fetch = 0
+            self.fetch_due.set()
+
+    def push(
+        self, grads: list[torch.Tensor], versions: list[list[int]], record: dict[str, Any]
+    ) -> None:
+        if self.error is not None:
+            raise self.error
+        self.outbox.put((grads, versions, record))  # blocks when the pusher is two behind
+
+    def stop(self) -> None:
+        self.running = False
+        self.fetch_due.set()
+        self.outbox.put(None)
+        self.pusher.join()
+        self.fetcher.join()
+        if self.error is not None:
+            raise self.error
+
+    def _fetch_loop(self) -> None:
+        buffers = [torch.empty_like(f) for f in self.fresh]
+        client = self.client
+        try:
+            while self.running:
+                self.fetch_due.wait()
+                self.fetch_due.clear()
+                if not self.running:
+                    return
+                fetched = []
+                for lane, buffer in zip(client.lanes, buffers, strict=True):
+                    versions, received = lane.server.pull_into(buffer)
+                    fetched.append(versions)
+                    with self.lock:
+                        client._received += received
+                        client.stats["bytes_received"] += received
+                with self.lock:
+                    for fresh, buffer in zip(self.fresh, buffers, strict=True):
+                        fresh.copy_(buffer)
+                    self.fresh_versions = fetched
+                    client.stats["pulls"] += 1
+                    self.fresh_ready.set()
+        except BaseException as err:  # surfaced in the compute thread
+            self.error = err
+
+    def _push_loop(self) -> None:
+        client = self.client
+        try:
+            while (item := self.outbox.get()) is not None:
+                grads, versions, record = item
+                client._send(grads, versions, record)
+                client._collect(wait=False)
+        except BaseException as err:
+            self.error = err

@@ -1,0 +1,106 @@
+"""A Downpour replica: one worker actor, or a model-parallel grid of them.
+
+Both answer the same `Worker` methods; the strategy starts calls asynchronously (`submit`)
+and waits on any replica's. A replica of one worker that dies (or raises) can be restarted
+where it stopped; a grid replica cannot go on without one of its workers (the others wait
+for it in a collective), so its failure stops the run with `WorkerDied`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from scaleout.strategies.group import ActorWorkers, Where, spawn_worker
+from scaleout.strategies.model_parallel import ModelParallelSection
+from scaleout.strategies.worker import Role
+from scaleout.train.job import Job
+
+
+class Replica:
+    def __init__(
+        self,
+        job: Job,
+        replica_id: int,
+        num_replicas: int,
+        grid: ModelParallelSection | None,
+        position: dict[str, int] | None,
+        num_cpus: float,
+        resource: str | None,
+        where: Where,
+    ) -> None:
+        self.id = replica_id
+        role = Role(name=f"replica {replica_id}", replica=replica_id, num_replicas=num_replicas)
+        self.actor: Any = None
+        self.group: ActorWorkers | None = None
+        if grid is None:
+            self.actor = spawn_worker(job, role, position, num_cpus, resource)
+            self.started = self.actor.start.remote()
+            self.size = 1
+        else:
+            role = Role(
+                name=role.name,
+                replica=replica_id,
+                num_replicas=num_replicas,
+                grid=(grid.grid[0], grid.grid[1]),
+                transport=grid.transport,
+            )
+            self.group = ActorWorkers(
+                job,
+                role,
+                grid.num_workers,
+                f"replica {replica_id}'s model-parallel worker",
+                where,
+                grid.backend,
+                grid.timeout_s,
+                num_cpus=num_cpus,
+            )
+            self.started = None
+            self.size = grid.num_workers
+
+    @property
+    def restartable(self) -> bool:
+        return self.group is None
+
+    def wait_started(self) -> None:
+        if self.started is not None:
+            ray.get(self.started)
+            self.started = None
+
+    def submit(self, method: str, *args: Any) -> list[Any]:  # noqa: ANN401
+        """Start `method` on every worker of the replica; the futures in rank order."""
+        if self.group is not None:
+            return self.group.submit(method, *args)
+        return [self.actor.call.remote(method, *args)]
+
+    def submit_each(self, method: str, args: list[tuple[Any, ...]]) -> list[Any]:
+        """Start `method` with `args[rank]` on each worker."""
+        actors = self.group.actors if self.group is not None else [self.actor]
+        return [
+            a.call.remote(method, *rank_args) for a, rank_args in zip(actors, args, strict=True)
+        ]
+
+    def get(self, futures: list[Any], doing: str) -> list[Any]:
+        """The answers; a dead or failing one-worker replica raises Ray's error, a grid
+        replica `WorkerDied` (or the user's own error)."""
+        if self.group is not None:
+            return self.group.get(futures, doing)
+        return ray.get(futures)
+
+    def call(self, method: str, *args: Any, doing: str = "") -> list[Any]:  # noqa: ANN401
+        return self.get(self.submit(method, *args), doing or method)
+
+    def node(self) -> str:
+        actor = self.actor if self.group is None else self.group.actors[0]
+        return ray.get(actor.node.remote())
+
+    def pid(self) -> int:
+        actor = self.actor if self.group is None else self.group.actors[0]
+        return ray.get(actor.pid.remote())
+
+    def kill(self) -> None:
+        if self.group is not None:
+            self.group.close(timeout_s=0.0)
+        else:
+            ray.kill(self.actor, no_restart=True)

@@ -1,0 +1,547 @@
+"""Strategy "downpour": Downpour SGD (DistBelief section 4.1) on Ray.
+
+The parameters live on parameter-server shards (`scaleout.ps`): each shard applies the
+configured torch.optim optimizer to its slice (Adagrad in the paper). R replicas, each owning
+a disjoint part of the training data (every R-th example), fetch parameters every `n_fetch`
+steps and push accumulated gradients every `n_push` steps, straight to the shards
+(`ReplicaClient`). The strategy only hands out chunks of steps to whichever replicas are
+free, collects their per-push records (`pushes.jsonl`), and restarts what dies.
+
+A replica is one worker, or a model-parallel grid (`model_parallel.grid` with more than one
+worker, a `SparseAutoencoderNetwork`): worker w of every grid pulls from and pushes to the
+shards that hold worker w's part of the parameters, and the grid's rank 0 keeps its
+replicated parameters (alpha) on shards of their own. Each parameter group is a separate
+set of shards, stepping with its group's learning rate.
+
+Layer-wise models (the sparse autoencoder) train phase by phase: at each phase's start,
+replica 0 fits the phase's start on its first minibatch and its values start the phase's
+shards; at the phase's end every replica pushes what is left and adopts the final values,
+so the frozen layers are the same everywhere.
+
+Steps are global: one step is one minibatch on any replica, and `train.steps` /
+`train.epochs` count them over all replicas (an epoch is one pass over the whole training
+set). Warm start: only replica 0 trains until `warmstart_steps` steps are done. Buffers
+(e.g. BatchNorm statistics) are not on the shards: each replica keeps its own, and
+evaluation and checkpoints use replica 0's (it evaluates the shards' current parameters).
+
+Failures: a one-worker replica that dies (killed process, exception) is logged and restarted
+where it stopped in its data, up to `max_restarts` times, while the others go on; a grid
+replica's failure stops the run. A shard that dies is restarted by Ray from its last
+checkpoint. The run ends with a summary of failures and of the work lost.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from scaleout.data import num_batches
+from scaleout.errors import ConfigError, UserError
+from scaleout.metrics import MetricsLog, truncate_metrics
+from scaleout.progress import console
+from scaleout.ps import ParameterServer
+from scaleout.rundir import RunDir
+from scaleout.runtime import cpu_share, describe_failure
+from scaleout.strategies.downpour import DownpourSection
+from scaleout.strategies.downpour.replicas import Replica
+from scaleout.strategies.model_parallel import ModelParallelSection, check_partitionable
+from scaleout.train.job import Job
+from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
+
+PUSHES_FILE = "pushes.jsonl"
+CHUNK_STEPS = 20  # most steps handed to a replica at once
+
+
+class Downpour:
+    name = "downpour"
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.cfg = job, job.train
+        self.opts = job.section("downpour", DownpourSection)
+        grid = job.section("model_parallel", ModelParallelSection)
+        self.grid = grid if grid.num_workers > 1 else None
+        if self.grid is not None:
+            check_partitionable(job, self.name)
+            if self.opts.threads:
+                raise ConfigError(
+                    "downpour.threads = true needs replicas of one worker: a model-parallel "
+                    "grid's workers fetch and push in step; set model_parallel.grid = [1, 1] "
+                    "or downpour.threads = false"
+                )
+        probe = job.probe
+        if (
+            probe is not None
+            and not probe.layerwise
+            and self.opts.num_shards > probe.num_parameters
+        ):
+            raise ConfigError(
+                f"downpour.num_shards = {self.opts.num_shards} exceeds the model's "
+                f"{probe.num_parameters} parameters: use at most {probe.num_parameters}"
+            )
+        self.run = RunDir(job.run_dir)
+        num = self.opts.num_replicas
+        self.positions: list[dict[str, int] | None] = [None] * num
+        self.failures: list[dict[str, Any]] = []
+        self.restarts = [0] * num
+        self.steps_lost = self.shard_updates_lost = 0
+        self.replicas: list[Replica] = []
+        self.alive = [True] * num
+        self.servers: list[list[ParameterServer | None]] = []  # [grid worker][group]
+        self.shard_pids: dict[tuple[int, int, int], int] = {}
+        self.shard_versions: dict[tuple[int, int, int], int] = {}
+        self.phase = -1
+        self.step = self.assigned = self.examples = 0
+        self.in_flight: dict[int, tuple[list[Any], int]] = {}  # replica -> (futures, steps)
+        self.placement: dict[str, list[str]] = {}
+        self.weights: Tensors | None = None  # layer-wise: the whole model at the phase's start
+        self.pushes: MetricsLog | None = None
+        self._plan: Plan | None = None
+        self._window = _Window()
+        self._wall_start = time.time()
+        self._reported = time.perf_counter()
+
+    # --- plan and start --------------------------------------------------------------------
+
+    def plan(self) -> Plan:
+        probe = self.job.probe
+        assert probe is not None
+        per_epoch = num_batches(probe.train_size, self.cfg.batch_size, drop_last=True)
+        per_phase = self.cfg.total_steps(per_epoch)
+        if not probe.layerwise:
+            self._plan = Plan(per_phase, per_epoch)
+        else:
+            self._plan = Plan(per_phase * probe.num_phases, per_epoch, probe.num_phases, per_phase)
+        return self._plan
+
+    def _phase_of(self, step: int) -> int:
+        assert self._plan is not None
+        phase_steps = self._plan.phase_steps
+        return min(step // phase_steps, self._plan.num_phases - 1) if phase_steps else 0
+
+    def _phase_end(self) -> int:
+        assert self._plan is not None
+        if self._plan.phase_steps is None:
+            return self._plan.total_steps
+        return min((self.phase + 1) * self._plan.phase_steps, self._plan.total_steps)
+
+    def _where(self) -> str:
+        latest = self.run.checkpoints.latest()
+        return f"at step {self.step}; " + (
+            f"the last checkpoint is {latest} (continue with --resume)"
+            if latest
+            else "no checkpoint was written yet (start the run again)"
+        )
+
+    def start(self, resume: Resume | None) -> dict[str, Any]:
+        elapsed = 0.0
+        if resume is not None:
+            self._restore(resume)
+            elapsed = resume.meta["time_s"]
+        self._wall_start = time.time() - elapsed
+        self.pushes = MetricsLog(self.run.path / PUSHES_FILE)
+        workers = self.grid.num_workers if self.grid is not None else 1
+        self.replica_cpus = cpu_share(self.opts.num_replicas * workers)
+        self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
+        for replica in self.replicas:
+            replica.wait_started()  # built, with its data
+        if resume is not None:  # every replica's frozen layers, and shards without a
+            self.weights = resume.tensors  # checkpoint of their own, start from it
+            self._load_weights(self.replicas, str(resume.path))
+        self._begin_phase(self._phase_of(self.step), fresh=self._at_phase_start())
+        self._report_placement()
+        self._reported = time.perf_counter()
+        return {}
+
+    def _at_phase_start(self) -> bool:
+        assert self._plan is not None
+        phase_steps = self._plan.phase_steps or self._plan.total_steps
+        return self.step % phase_steps == 0 if self._plan.phase_steps else self.step == 0
+
+    def _restore(self, resume: Resume) -> None:
+        meta = resume.meta
+        if meta.get("strategy") != self.name:
+            raise UserError(
+                f"{resume.path} is a {meta.get('strategy')} checkpoint, not a Downpour one: "
+                "resume it with the strategy that wrote it"
+            )
+        self.step = self.assigned = resume.step
+        self.examples = meta["examples"]
+        if len(meta.get("positions", [])) == len(self.positions):
+            self.positions = meta["positions"]
+        self.failures, self.steps_lost = meta["failures"], meta["steps_lost"]
+        self.shard_updates_lost = meta["shard_updates_lost"]
+        truncate_metrics(self.run.path / PUSHES_FILE, self.step)
+
+    def _spawn(self, replica_id: int) -> Replica:
+        return Replica(
+            self.job,
+            replica_id,
+            self.opts.num_replicas,
+            self.grid,
+            self.positions[replica_id],
+            self.replica_cpus,
+            self.opts.replica_resource,
+            self._where,
+        )
+
+    def _load_weights(self, replicas: list[Replica], source: str) -> None:
+        pending = [(r, r.submit("load_weights", self.weights, source)) for r in replicas]
+        for replica, futures in pending:
+            replica.get(futures, "loading weights")
+
+    def _report_placement(self) -> None:
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        nodes = [addresses.get(r.node(), "?") for r in self.replicas]
+        shard_nodes = [
+            addresses.get(info["node"], "?")
+            for lane in self.servers
+            for server in lane
+            if server is not None
+            for info in server.info()
+        ]
+        if len(set(nodes + shard_nodes)) > 1:
+            console.print(f"shards on {shard_nodes}; replicas on {nodes}")
+        self.placement = {"shards": shard_nodes, "replicas": nodes}
+
+    # --- phases: the shards of the parameters in training ----------------------------------
+
+    def _lane_root(self, worker: int, group: int, single: bool) -> Any:  # noqa: ANN401
+        if single:
+            return self.run.shards  # shards/shard_<i>
+        return self.run.shards / f"phase{self.phase}.worker{worker}.group{group}"
+
+    def _begin_phase(self, phase: int, fresh: bool) -> None:
+        """Start phase `phase`'s shards from replica 0's values; attach every replica."""
+        self._retire_servers()
+        self.phase = phase
+        assert self._plan is not None
+        if self._plan.phase_steps and phase > 0 and fresh:  # for replicas restarted later
+            self.weights = self._first_alive().call("state", doing="starting a phase")[0][0]
+        initial = self._first_alive().call("begin_phase", phase, fresh, doing="starting a phase")
+        single = len(initial) == 1 and len(initial[0]) == 1
+        opts = self.opts
+        self.servers = []
+        for w, groups in enumerate(initial):
+            lane: list[ParameterServer | None] = []
+            for g, entry in enumerate(groups):
+                if entry is None:
+                    lane.append(None)
+                    continue
+                values, lr = entry
+                lane.append(
+                    ParameterServer.create(
+                        values,
+                        min(opts.num_shards, values.numel()),
+                        self.cfg.model_copy(update={"lr": lr}),
+                        self.job.compress,
+                        self._lane_root(w, g, single),
+                        opts.shard_checkpoint_every,
+                        opts.shard_checkpoint_seconds,
+                        resource=opts.shard_resource,
+                        wait=False,  # start every lane's processes at once
+                    )
+                )
+            self.servers.append(lane)
+        for _, server in self._all_servers():
+            server.wait()
+        self._record_shards()
+        attach = [
+            (r, replica.submit_each("attach", self._attach_args(replica, fresh)))
+            for r, replica in enumerate(self.replicas)
+            if self.alive[r]
+        ]
+        for r, futures in attach:
+            self.replicas[r].get(futures, "attaching to the shards")
+
+    def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]:
+        opts = self.opts
+        return [
+            (self.phase, self.servers[w], opts.n_fetch, opts.n_push, opts.threads, fresh)
+            for w in range(replica.size)
+        ]
+
+    def _finish_phase(self) -> None:
+        """Every replica pushes what is left; once all pushes are in, every replica adopts
+        the shards' final values (so the frozen layers are the same everywhere)."""
+        live = [r for r in range(len(self.replicas)) if self.alive[r]]
+        for method in ("flush_pushes", "adopt_final"):
+            futures = {r: self.replicas[r].submit(method) for r in live}
+            for r, pending in futures.items():
+                try:
+                    outs = self.replicas[r].get(pending, "flushing its pushes")
+                except (RayActorError, RayTaskError):
+                    continue  # its last pushes are lost; the shards keep what arrived
+                if method == "flush_pushes":
+                    for records in outs:
+                        self._log_pushes(records)
+
+    def _retire_servers(self) -> None:
+        for lane in self.servers:
+            for server in lane:
+                if server is not None:
+                    server.kill()
+        self.servers = []
+
+    def _all_servers(self) -> list[tuple[tuple[int, int], ParameterServer]]:
+        return [
+            ((w, g), server)
+            for w, lane in enumerate(self.servers)
+            for g, server in enumerate(lane)
+            if server is not None
+        ]
+
+    def _record_shards(self) -> None:
+        for (w, g), server in self._all_servers():
+            for info in server.info():
+                key = (w, g, info["shard"])
+                self.shard_pids[key], self.shard_versions[key] = info["pid"], info["version"]
+
+    def _check_shards(self) -> None:
+        """Count shards Ray restarted, and the updates they lost."""
+        for (w, g), server in self._all_servers():
+            for info in server.info():
+                key = (w, g, info["shard"])
+                if info["pid"] != self.shard_pids.get(key, info["pid"]):
+                    lost = max(self.shard_versions[key] - info["version"], 0)
+                    self.shard_updates_lost += lost
+                    self.failures.append(
+                        {
+                            "time_s": round(time.time() - self._wall_start, 3),
+                            "step": self.step,
+                            "shard": info["shard"],
+                            "kind": "shard restarted",
+                            "restored_version": info["restored_version"],
+                            "updates_lost": lost,
+                        }
+                    )
+                    console.print(
+                        f"shard {info['shard']} restarted from its checkpoint at version "
+                        f"{info['restored_version']} ({lost} updates lost)"
+                    )
+                self.shard_pids[key], self.shard_versions[key] = info["pid"], info["version"]
+
+    # --- training: chunks to whichever replicas are free -----------------------------------
+
+    def _active(self) -> list[int]:
+        if self.step < self.opts.warmstart_steps:
+            return [0] if self.alive[0] else []
+        return [r for r in range(len(self.replicas)) if self.alive[r]]
+
+    def _submit(self, replica_id: int, target: int, limit: int) -> None:
+        """Hand a chunk to a free replica: up to `target` first (the next metrics line is
+        exactly there when one replica runs), then on up to `limit`."""
+        end = target if self.assigned < target else limit
+        steps = min(max(1, min(self.cfg.log_every, CHUNK_STEPS)), end - self.assigned)
+        if steps <= 0 or replica_id in self.in_flight or not self.alive[replica_id]:
+            return
+        futures = self.replicas[replica_id].submit("train_chunk", steps)
+        self.in_flight[replica_id] = (futures, steps)
+        self.assigned += steps
+
+    def train(self, num_steps: int, stop: Any) -> Chunk:  # noqa: ANN401
+        phase = self._phase_of(self.step)
+        if phase != self.phase:
+            self._finish_phase()
+            self._begin_phase(phase, fresh=True)
+        # Replicas run on past a metrics line, but not past an evaluation or a checkpoint
+        # (replica 0 answers those, at exactly their step) or the phase's end.
+        cfg = self.cfg
+        phase_end = self._phase_end()
+        limit = min(
+            phase_end,
+            (self.step // cfg.eval_every + 1) * cfg.eval_every,
+            (self.step // cfg.checkpoint_every + 1) * cfg.checkpoint_every,
+        )
+        target = min(self.step + num_steps, limit)
+        chunk = Chunk()
+        while True:
+            if not stop():
+                for r in self._active():
+                    self._submit(r, target, limit)
+            if self.step >= target and (self.step < limit or not self.in_flight):
+                break
+            if not self.in_flight:
+                break  # nothing left to run: every replica failed for good, or stopped
+            self._wait_one(chunk)
+        if self.step >= phase_end and self._plan is not None and self._plan.phase_steps:
+            self._finish_phase()  # the phase ends: evaluations see its final values
+        now = time.perf_counter()
+        chunk.seconds, self._reported = now - self._reported, now
+        return chunk
+
+    def _wait_one(self, chunk: Chunk) -> None:
+        """Wait for one replica's chunk to finish and take its result into `chunk`."""
+        owner = {f: r for r, (futures, _) in self.in_flight.items() for f in futures}
+        ready, _ = ray.wait(list(owner), num_returns=1, timeout=1.0)
+        for future in ready:
+            replica_id = owner[future]
+            if replica_id not in self.in_flight:
+                continue
+            futures, steps = self.in_flight[replica_id]
+            done, _ = ray.wait(futures, num_returns=len(futures), timeout=0)
+            if len(done) < len(futures):
+                continue
+            del self.in_flight[replica_id]
+            try:
+                outs = self.replicas[replica_id].get(futures, "training")
+            except (RayActorError, RayTaskError) as error:
+                self.assigned -= steps
+                self._replica_failed(replica_id, steps, error)
+                continue
+            self._take(replica_id, outs, chunk)
+
+    def _take(self, replica_id: int, outs: list[dict[str, Any]], chunk: Chunk) -> None:
+        out = outs[0]  # a grid's sums are reduced over it
+        self.step += out["steps"]
+        self.examples += out["examples"]
+        self.positions[replica_id] = out["position"]
+        chunk.steps += out["steps"]
+        chunk.examples += out["examples"]
+        chunk.loss_sum += out["loss_sum"]
+        if out["correct"] is not None:
+            chunk.correct = (chunk.correct or 0) + out["correct"]
+        for name, value in out["term_sums"].items():
+            chunk.term_sums[name] = chunk.term_sums.get(name, 0.0) + value
+        chunk.fields.update(
+            {k: v for k, v in out["fields"].items() if k not in ("epoch", "data_wait_s")}
+        )
+        self._window.steps += out["steps"]
+        for worker_out in outs:
+            self._log_pushes(worker_out["records"])
+
+    def _log_pushes(self, records: list[dict[str, Any]]) -> None:
+        assert self.pushes is not None
+        for push in records:
+            push["time_s"] = round(push.pop("t") - self._wall_start, 4)
+            push.update(step=self.step, examples=self.examples, lr=self.cfg.lr)
+            self.pushes.log(push)
+            self._window.add(push)
+
+    def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
+        kind = "died" if isinstance(error, RayActorError) else "raised"
+        message = describe_failure(error)  # a user error in a replica stops the run
+        self.steps_lost += steps
+        replica = self.replicas[replica_id]
+        restart = replica.restartable and self.restarts[replica_id] < self.opts.max_restarts
+        self.failures.append(
+            {
+                "time_s": round(time.time() - self._wall_start, 3),
+                "step": self.step,
+                "replica": replica_id,
+                "kind": kind,
+                "restarted": restart,
+                "message": message[:300],
+            }
+        )
+        console.print(
+            f"replica {replica_id} {kind} at step {self.step}: {message[:200]}"
+            + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
+        )
+        replica.kill()
+        if restart:
+            self.restarts[replica_id] += 1
+            fresh = self._spawn(replica_id)
+            fresh.wait_started()
+            if self.weights is not None and self._plan is not None and self._plan.phase_steps:
+                self._load_weights([fresh], "the layers trained so far")
+            fresh.get(fresh.submit_each("attach", self._attach_args(fresh, False)), "attaching")
+            self.replicas[replica_id] = fresh
+        else:
+            self.alive[replica_id] = False
+            if not any(self.alive):
+                raise UserError("every Downpour replica failed; see the messages above")
+
+    def finish(self) -> Chunk:
+        """Wait for the chunks still running; every replica pushes what is left."""
+        chunk = Chunk()
+        while self.in_flight:
+            self._wait_one(chunk)
+        if self.servers:
+            self._finish_phase()
+        return chunk
+
+    # --- metrics, evaluation, checkpoints --------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        self._check_shards()
+        fields = self._window.fields(self.cfg.batch_size)
+        self._window = _Window()
+        alive = sum(self.alive)
+        fields["replicas_alive"] = alive
+        fields["_bar"] = {
+            "rate": f"{fields['updates_per_s']:.1f} upd/s",
+            "alive": f"{alive}/{len(self.alive)} alive",
+        }
+        return fields
+
+    def _first_alive(self) -> Replica:
+        return next(r for r, ok in zip(self.replicas, self.alive, strict=True) if ok)
+
+    def evaluate(self) -> dict[str, float]:
+        return self._first_alive().call("evaluate", doing="evaluating")[0]
+
+    def state(self) -> tuple[Tensors, dict[str, Any]]:
+        for _, server in self._all_servers():
+            server.checkpoint()
+        tensors, meta = self._first_alive().call("state", doing="checkpointing")[0]
+        meta.update(
+            positions=self.positions,
+            restarts=self.restarts,
+            failures=self.failures,
+            steps_lost=self.steps_lost,
+            shard_updates_lost=self.shard_updates_lost,
+            placement=self.placement,
+        )
+        return tensors, meta
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "replica_failures": sum(1 for f in self.failures if "replica" in f),
+            "replica_restarts": sum(self.restarts),
+            "shard_restarts": sum(1 for f in self.failures if "shard" in f),
+            "steps_lost": self.steps_lost,
+            "shard_updates_lost": self.shard_updates_lost,
+        }
+
+    def close(self) -> None:
+        """End this run's actors (on a shared cluster nothing else would)."""
+        for replica in self.replicas:
+            replica.kill()
+        self.replicas = []
+        self._retire_servers()
+        if self.pushes is not None:
+            self.pushes.close()
+            self.pushes = None
+
+
+class _Window:
+    """Push records and steps between two metrics lines."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.steps = 0
+        self.staleness: list[float] = []
+        self.staleness_max = 0
+        self.bytes_sent = self.bytes_received = 0
+
+    def add(self, push: dict[str, Any]) -> None:
+        if push.get("staleness") is not None:
+            self.staleness.append(push["staleness"])
+            self.staleness_max = max(self.staleness_max, push["staleness_max"])
+        self.bytes_sent += push.get("bytes_sent", 0)
+        self.bytes_received += push.get("bytes_received", 0)
+
+    def fields(self, batch_size: int) -> dict[str, Any]:
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        updates = self.steps / seconds
+        return {
+            "updates_per_s": updates,
+            "examples_per_s": updates * batch_size,
+            "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else None,
+            "staleness_max": self.staleness_max,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+        }

@@ -1,0 +1,142 @@
+"""Strategies that train one replica in lock step: "single" (one worker in this process),
+"model_parallel" (the replica partitioned over a grid of actors) and "sync" (every worker a
+whole replica on a slice of each global batch).
+
+They differ only in the workers' `Role`, where the workers run, and how their answers
+combine; the plan, the training loop (`Worker`), evaluation and checkpoints are the same.
+Checkpoints hold the whole replica in strategy "single"'s format (a grid assembles its
+parts), so a run resumes under any of the three where they train the same model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from scaleout.data import num_batches
+from scaleout.strategies.group import ActorWorkers, LocalWorkers
+from scaleout.strategies.worker import Role
+from scaleout.train.job import Job
+from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
+
+Workers = LocalWorkers | ActorWorkers
+
+
+def lockstep_plan(job: Job) -> Plan:
+    """Steps = `train.steps` or epochs of the training set (per phase when layer-wise);
+    a last partial batch is dropped when the set holds at least one whole batch."""
+    probe = job.probe
+    assert probe is not None, "probe_job(job) first"
+    batch = job.train.batch_size
+    per_epoch = num_batches(probe.train_size, batch, drop_last=probe.train_size >= batch)
+    per_phase = job.train.total_steps(per_epoch)
+    if not probe.layerwise:
+        return Plan(per_phase, per_epoch)
+    return Plan(per_phase * probe.num_phases, per_epoch, probe.num_phases, per_phase)
+
+
+def chunk_of(out: dict[str, Any]) -> Chunk:
+    return Chunk(
+        steps=out["steps"],
+        examples=out["examples"],
+        loss_sum=out["loss_sum"],
+        correct=out["correct"],
+        term_sums=out["term_sums"],
+        fields=out["fields"],
+        seconds=out["seconds"],
+    )
+
+
+class Lockstep:
+    """Base of the lock-step strategies; subclasses give `make_workers()` and their workers'
+    `role_options()`."""
+
+    name = "lockstep"
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.workers: Workers | None = None
+        self._plan: Plan | None = None
+        self.step = 0
+
+    def plan(self) -> Plan:
+        self._plan = lockstep_plan(self.job)
+        return self._plan
+
+    def make_workers(self, role: Role) -> Workers:
+        raise NotImplementedError
+
+    def where(self) -> str:
+        """Where the run stopped, for a worker's death: the step and the last checkpoint."""
+        from scaleout.rundir import RunDir
+
+        latest = RunDir(self.job.run_dir).checkpoints.latest()
+        return f"at step {self.step}; " + (
+            f"the last checkpoint is {latest} (continue with --resume)"
+            if latest
+            else "no checkpoint was written yet (start the run again)"
+        )
+
+    def start(self, resume: Resume | None) -> dict[str, Any]:
+        assert self._plan is not None
+        role = Role(phase_steps=self._plan.phase_steps, **self.role_options())
+        self.workers = self.make_workers(role)
+        if resume is not None:
+            self.step = resume.step
+            self.workers.call("restore", resume.tensors, resume.meta, str(resume.path))
+        return {}
+
+    def role_options(self) -> dict[str, Any]:
+        return {}
+
+    def train(self, num_steps: int, stop: Callable[[], bool]) -> Chunk:
+        assert self.workers is not None
+        if isinstance(self.workers, LocalWorkers):
+            outs = [self.workers.worker.train_chunk(num_steps, stop)]
+        else:
+            outs = self.workers.call("train_chunk", num_steps)
+        chunk = self.combine(outs)
+        self.step += chunk.steps
+        return chunk
+
+    def combine(self, outs: list[dict[str, Any]]) -> Chunk:
+        """The replica's chunk from its workers' answers (rank 0's: sums are the grid's)."""
+        return chunk_of(outs[0])
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def evaluate(self) -> dict[str, float]:
+        assert self.workers is not None
+        return self.workers.call("evaluate")[0]
+
+    def state(self) -> tuple[Tensors, dict[str, Any]]:
+        assert self.workers is not None
+        return self.workers.call("state")[0]
+
+    def finish(self) -> Chunk:
+        return Chunk()
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+
+class Single(Lockstep):
+    """Strategy "single": one worker in this process, the reference every distributed
+    strategy is measured by. Deterministic given the config: the order of examples depends
+    only on (seed, epoch), and checkpoints hold the model, optimizer, RNG and position, so a
+    run killed and resumed ends with exactly the parameters of an uninterrupted one."""
+
+    name = "single"
+
+    def make_workers(self, role: Role) -> Workers:
+        return LocalWorkers(self.job, role)
+
+
+def create_single(job: Job) -> Single:
+    return Single(job)

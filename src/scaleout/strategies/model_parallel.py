@@ -1,0 +1,85 @@
+"""Strategy "model_parallel": one replica partitioned over a `model_parallel.grid = [px, py]`
+of workers (COTS HPC section 4.2, DistBelief section 3).
+
+The workers are Ray actors in one placement group, joined in a torch.distributed process
+group (gloo on CPU, NCCL on GPU). Each builds the whole model from the seed and keeps its
+part (`scaleout.parallel.parallelize`), so the grid starts from exactly the single-process
+weights. Every worker runs the same steps on the same minibatch; inside a step the workers
+exchange activations and gradients with the workers their receptive fields reach, and
+all-reduce only the replicated parameters' gradients (alpha) and the objective's sums.
+Checkpoints hold the whole replica in strategy "single"'s format (the grid assembles its
+parts), so a run resumes under another grid or in one process. A grid of 1 x 1 is one
+worker, the same code. A worker that dies stops the run with `WorkerDied`; `--resume`
+continues from the last checkpoint.
+
+The same grid is what strategy "downpour" runs as each replica when `model_parallel.grid`
+has more than one worker.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from scaleout.config import Section
+from scaleout.errors import ConfigError
+from scaleout.parallel import PARTITIONABLE
+from scaleout.strategies.group import ActorWorkers
+from scaleout.strategies.lockstep import Lockstep, Workers
+from scaleout.strategies.worker import Role
+from scaleout.train.job import Job
+
+
+class ModelParallelSection(Section):
+    """Model parallelism over a grid of workers (`scaleout.parallel.parallelize`)."""
+
+    grid: Annotated[list[PositiveInt], Field(min_length=2, max_length=2)] = [1, 1]  # [px, py]
+    transport: Literal["all_to_all", "p2p"] = "all_to_all"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
+    timeout_s: PositiveFloat = 300.0  # a collective waiting longer than this fails
+
+    @property
+    def num_workers(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def check_partitionable(job: Job, strategy: str) -> None:
+    """A grid partitions only what `parallelize` can split: one line naming the fix."""
+    if job.probe is not None and not job.probe.partitionable:
+        raise ConfigError(
+            f'train.strategy = "{strategy}" with model parallelism partitions '
+            f"{PARTITIONABLE}; the model ({job.model.name}) is not one: set "
+            'model.kind = "sparse_autoencoder" or use another strategy'
+        )
+
+
+class ModelParallel(Lockstep):
+    name = "model_parallel"
+
+    def __init__(self, job: Job) -> None:
+        super().__init__(job)
+        self.opts = job.section("model_parallel", ModelParallelSection)
+        check_partitionable(job, self.name)
+
+    def role_options(self) -> dict[str, Any]:
+        grid = self.opts.grid
+        return dict(grid=(grid[0], grid[1]), transport=self.opts.transport)
+
+    def make_workers(self, role: Role) -> Workers:
+        return ActorWorkers(
+            self.job,
+            role,
+            self.opts.num_workers,
+            "model-parallel worker",
+            self.where,
+            self.opts.backend,
+            self.opts.timeout_s,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {"grid": list(self.opts.grid)}
+
+
+def create(job: Job) -> ModelParallel:
+    return ModelParallel(job)

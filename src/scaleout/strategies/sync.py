@@ -1,0 +1,124 @@
+"""Strategy "sync": synchronous data parallelism (Ding et al. 2015, section 2.2).
+
+`sync.num_workers` Ray actors form one torch.distributed group (gloo on CPU, NCCL on GPU).
+`train.batch_size` is the effective batch: the examples of global batch k are the ones
+strategy "single" would use, and worker r trains on slice r of them, so for one worker this
+strategy IS strategy "single" (same initial weights, data order, dropout stream and
+optimizer), and every extra worker only splits the batch.
+
+Communication schedule per step, by `sync.mode`:
+
+- `allreduce`: PyTorch DDP. During backward, gradient buckets are all-reduced and averaged
+  as soon as they are ready (overlapping the rest of backward); every worker then applies
+  the same averaged gradient, so all replicas stay identical. With `[compress] codec` other
+  than fp32, the bucket travels through `scaleout.compress.ddp_hook` (8-bit codes,
+  all-gathered). For SGD this equals one worker on the concatenated batch. Buffers (e.g.
+  BatchNorm statistics) are rank 0's: DDP broadcasts them before every forward pass.
+- `average`: the paper's scheme. Each worker steps on its own slice with its own
+  optimizer; every `average_every` steps one all-reduce (coalesced into a flat buffer per
+  dtype) averages the parameters, floating buffers (BatchNorm statistics) AND the optimizer
+  state (momentum, Adam moments). Evaluation uses the average of the current weights without
+  changing the workers; a checkpoint is a synchronisation point (the workers average first).
+
+Checkpoints hold rank 0's model and optimizer and every rank's RNG state, in strategy
+"single"'s format. Synchronous training cannot go on without a worker: when one dies, the
+run stops with `WorkerDied`, naming the worker and the last checkpoint (`--resume`
+continues).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import PositiveFloat, PositiveInt
+
+from scaleout.config import Section
+from scaleout.errors import ConfigError
+from scaleout.strategies.group import ActorWorkers
+from scaleout.strategies.lockstep import Lockstep, Workers, chunk_of
+from scaleout.strategies.worker import Role
+from scaleout.train.job import Job
+from scaleout.train.protocol import Chunk, Tensors
+
+
+class SyncSection(Section):
+    """Synchronous data parallelism (Ding et al. 2015): `num_workers` workers in lock step.
+
+    `train.batch_size` is the effective (global) batch: each worker gets an equal slice of
+    it. `allreduce`: PyTorch DDP averages gradients every step (with `[compress] codec` as
+    its communication hook). `average`: every worker steps on its own slice, then weights
+    and optimizer state (momentum) are averaged every `average_every` steps (1: the paper).
+    """
+
+    num_workers: PositiveInt = 2
+    mode: Literal["allreduce", "average"] = "allreduce"
+    average_every: PositiveInt = 1
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
+    timeout_s: PositiveFloat = 300.0  # a collective waiting longer than this fails
+
+
+class Sync(Lockstep):
+    name = "sync"
+
+    def __init__(self, job: Job) -> None:
+        super().__init__(job)
+        self.opts = job.section("sync", SyncSection)
+        if job.train.batch_size % self.opts.num_workers:
+            raise ConfigError(
+                f"train.batch_size = {job.train.batch_size} must be a multiple of "
+                f"sync.num_workers = {self.opts.num_workers} (each worker trains on an equal "
+                "slice of the batch)"
+            )
+        if job.probe is not None and job.probe.layerwise:
+            raise ConfigError(
+                f'train.strategy = "sync" trains supervised models; model ({job.model.name}) '
+                'trains layer-wise: use strategy "single", "model_parallel" or "downpour"'
+            )
+
+    def role_options(self) -> dict[str, Any]:
+        allreduce = self.opts.mode == "allreduce"
+        return dict(
+            sliced=True,
+            ddp=allreduce,
+            average_every=None if allreduce else self.opts.average_every,
+        )
+
+    def make_workers(self, role: Role) -> Workers:
+        return ActorWorkers(
+            self.job,
+            role,
+            self.opts.num_workers,
+            "sync worker",
+            self.where,
+            self.opts.backend,
+            self.opts.timeout_s,
+        )
+
+    def combine(self, outs: list[dict[str, Any]]) -> Chunk:
+        """Every worker trained its slice: sums add up; the slowest worker's times count."""
+        chunk = chunk_of(outs[0])
+        chunk.examples = sum(o["examples"] for o in outs)
+        chunk.loss_sum = sum(o["loss_sum"] for o in outs)
+        if chunk.correct is not None:
+            chunk.correct = sum(o["correct"] for o in outs)
+        chunk.seconds = max(o["seconds"] for o in outs)
+        for key in ("data_wait_s", "average_s"):
+            if key in chunk.fields:
+                chunk.fields[key] = max(o["fields"][key] for o in outs)
+        return chunk
+
+    def state(self) -> tuple[Tensors, dict[str, Any]]:
+        assert self.workers is not None
+        self.workers.call("average_now")
+        tensors, meta = self.workers.call("state", ranks=1)[0]
+        for rank, rng in enumerate(self.workers.call("rng_state")[1:], start=1):
+            tensors[f"rng.torch.{rank}"] = rng
+        meta.update(num_workers=self.opts.num_workers, mode=self.opts.mode)
+        return tensors, meta
+
+    def summary(self) -> dict[str, Any]:
+        return {"num_workers": self.opts.num_workers, "mode": self.opts.mode}
+
+
+def create(job: Job) -> Sync:
+    return Sync(job)

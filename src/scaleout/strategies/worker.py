@@ -1,0 +1,530 @@
+"""The training loop: one process's part of training, under every strategy.
+
+A `Worker` builds its data and model from the job, takes its part of them as its `Role`
+says, and trains chunks of steps. What differs between strategies is only where the update
+happens and what is shared:
+
+- a whole replica with a local optimizer (strategy "single");
+- this worker's part of a replica partitioned over a grid (`role.grid`, strategy
+  "model_parallel"): every worker runs the same steps on the same minibatch, the exchanges
+  happen inside the model (`scaleout.parallel.parallelize`), replicated parameters' gradients
+  are summed over the grid, and sums of the objective are reduced over it;
+- a slice of every global batch (`role.sliced`, strategy "sync"): DDP averages gradients
+  during backward (`role.ddp`), or weights and optimizer state are averaged every
+  `role.average_every` steps;
+- a part of the data with no optimizer of its own (strategy "downpour"): a `ReplicaClient`
+  fetches parameters from the parameter-server shards and pushes accumulated gradients.
+
+Seeds: every worker builds data and model after `torch.manual_seed(run.seed)`, so all start
+from the same weights, and worker 0's dropout stream is strategy "single"'s; other ranks and
+replicas draw their own. Data order depends only on (seed, phase, epoch), so a run resumes
+exactly where it stopped; a Downpour replica r > 0 shuffles its own part with its own seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from scaleout.checkpoint import load_optimizer_state
+from scaleout.data import derive_seed, make_loader, num_batches
+from scaleout.data.parts import data_part
+from scaleout.data.prefetch import DevicePrefetcher
+from scaleout.errors import UserError
+from scaleout.nn.optim import build_optimizer
+from scaleout.parallel import average_tensors, parallelize, synced_state
+from scaleout.runtime import resolve_device
+from scaleout.train.job import Job
+from scaleout.train.objective import Layerwise, objective_for
+from scaleout.train.state import load_model_state, load_model_weights, model_state
+
+if TYPE_CHECKING:
+    from scaleout.ps import ParameterServer, ReplicaClient
+
+
+@dataclass(frozen=True)
+class Role:
+    """Where a worker sits in its strategy's layout (see the module docstring)."""
+
+    name: str = "worker"  # in messages: "worker 1", "replica 0"
+    rank: int = 0  # in its process group (a grid, or the sync workers)
+    world: int = 1
+    replica: int = 0  # Downpour: trains on every num_replicas-th example from `replica`
+    num_replicas: int = 1
+    grid: tuple[int, int] | None = None  # model parallel: this worker's part of the model
+    transport: str = "all_to_all"
+    sliced: bool = False  # sync: slice `rank` of every global batch
+    ddp: bool = False  # sync "allreduce": DDP averages gradients during backward
+    average_every: int | None = None  # sync "average": average weights + optimizer state
+    phase_steps: int | None = None  # lock-step layer-wise training: steps per phase
+
+    def named(self, rank: int, world: int) -> Role:
+        """This role for rank `rank` of `world`."""
+        return dataclasses.replace(self, rank=rank, world=world)
+
+
+class Worker:
+    def __init__(self, job: Job, role: Role, position: dict[str, int] | None = None) -> None:
+        self.job, self.role, self.cfg = job, role, job.train
+        self.device = resolve_device(job.run.device)
+        seed = job.run.seed
+        torch.manual_seed(seed)
+        train_set, self.test_set = job.build_data()
+        self.train_set = data_part(train_set, role.replica, role.num_replicas)
+        model = job.build_model(self.train_set).to(self.device)
+        self.objective = objective_for(model, job.loss_fn(), self.test_set)
+        self.layerwise = isinstance(self.objective, Layerwise)
+        if role.grid is not None:
+            codec = None if job.compress.codec == "fp32" else job.compress.build()
+            model = parallelize(model, role.grid, role.rank, None, role.transport, codec)  # type: ignore[arg-type]
+        self.model: nn.Module = model
+        self.network: nn.Module = model  # what the forward pass runs: DDP wraps it (`start`)
+        self.partitioned = role.grid is not None
+        # Downpour replica r > 0 shuffles its own part; worker 0 is strategy "single"
+        self.data_seed = seed if role.replica == 0 else derive_seed(seed, role.replica)
+        self.num_phases = self.objective.num_phases(model)
+        size = len(self.train_set)  # type: ignore[arg-type]
+        self.drop_last = size >= self.cfg.batch_size
+        self.batches_per_epoch = num_batches(size, self.cfg.batch_size, self.drop_last)
+        position = position or {}
+        self.step = position.get("step", 0)
+        self.phase = position.get("phase", 0)
+        self.epoch, self.batch = position.get("epoch", 0), position.get("batch", 0)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.groups: list[dict[str, Any]] = []
+        self.client: ReplicaClient | None = None
+        self._select_phase(self.phase)
+        if role.rank > 0 and role.sliced:  # its own dropout stream
+            torch.manual_seed(derive_seed(seed, role.rank))
+        elif role.replica > 0 or self.step > 0:
+            torch.manual_seed(derive_seed(seed, role.replica, self.step))
+        self._batches: Iterator[tuple[Tensor, ...]] | None = None
+        self._push_window = [0.0, 0, 0.0]  # loss sum, steps, compute seconds since a push
+
+    def start(self) -> None:
+        """After the process group is formed: wrap the model in DDP (`role.ddp`)."""
+        if self.role.ddp and self.role.world > 1:
+            ids = [self.device.index or 0] if self.device.type == "cuda" else None
+            self.network = DistributedDataParallel(self.model, device_ids=ids)
+            if self.job.compress.codec != "fp32":
+                from scaleout.compress import ddp_hook
+
+                self.network.register_comm_hook(None, ddp_hook(self.job.compress.build()))
+
+    # --- phases, optimizer, data ---------------------------------------------------------
+
+    def _select_phase(self, phase: int) -> None:
+        """Train phase `phase`'s parameters from now on (a fresh optimizer for them)."""
+        self.phase = phase
+        self.groups = list(self.objective.parameter_groups(self.model, phase, self.cfg.lr))
+        if self.client is None:
+            self.optimizer = build_optimizer(self.groups, self.cfg)
+
+    def _data_seed(self) -> int:
+        return derive_seed(self.data_seed, self.phase) if self.layerwise else self.data_seed
+
+    def _loader(self) -> Iterator[tuple[Tensor, ...]]:
+        role, loader_cfg = self.role, self.job.loader
+        loader = make_loader(
+            self.train_set,
+            self.cfg.batch_size,
+            shuffle=True,
+            seed=self._data_seed(),
+            epoch=self.epoch,
+            start_batch=self.batch,
+            workers=loader_cfg.workers,
+            pin_memory=loader_cfg.pins(self.device),
+            drop_last=self.drop_last,
+            prefetch_factor=loader_cfg.prefetch_factor,
+            part=role.rank if role.sliced else 0,
+            num_parts=role.world if role.sliced else 1,
+        )
+        return iter(DevicePrefetcher(loader, self.device, loader_cfg.device_prefetch))
+
+    def _next_batch(self) -> tuple[Tensor, ...]:
+        if self._batches is None:
+            self._batches = self._loader()
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self.epoch, self.batch = self.epoch + 1, 0
+            self._batches = self._loader()
+            batch = next(self._batches)
+        self.batch += 1
+        return batch
+
+    def _peek_batch(self) -> tuple[Tensor, ...]:
+        """The next minibatch, left to be trained on next."""
+        batch = next(self._loader())
+        self._batches = None
+        return batch
+
+    def position(self) -> dict[str, int]:
+        return {"step": self.step, "phase": self.phase, "epoch": self.epoch, "batch": self.batch}
+
+    # --- training ------------------------------------------------------------------------
+
+    def train_chunk(self, num_steps: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Train `num_steps` steps (fewer when `stop()` turns true): the sums over their
+        examples (loss, right predictions, an objective's terms; reduced over a grid), the
+        examples, and the latest epoch, learning rate and phase values."""
+        sums: dict[str, Tensor] = {}
+        examples = steps = 0
+        wait_s = average_s = 0.0
+        started = time.perf_counter()
+        for _ in range(num_steps):
+            phase_steps = self.role.phase_steps
+            if phase_steps and self.step // phase_steps != self.phase:  # the next phase
+                self.epoch, self.batch, self._batches = 0, 0, None
+                self._select_phase(self.step // phase_steps)
+            waiting = time.perf_counter()
+            batch = self._next_batch()
+            wait_s += time.perf_counter() - waiting
+            if phase_steps and self.step % phase_steps == 0:  # a phase's first minibatch
+                self.objective.begin_phase(self.model, batch, self.phase)
+            computing = time.perf_counter()
+            if self.client is not None:
+                self.client.before_step()
+            loss, step_sums = self.objective.step(self.model, self.network, batch, self.phase)
+            if self.client is None:
+                assert self.optimizer is not None
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if self.partitioned:
+                    self.model.sync_grads()  # type: ignore[operator]
+                self.optimizer.step()
+            else:
+                loss.backward()
+                self._after_backward(loss, time.perf_counter() - computing)
+            self.step += 1
+            steps += 1
+            examples += len(batch[0])
+            if self.role.average_every and self.step % self.role.average_every == 0:
+                averaging = time.perf_counter()
+                self.average_now()
+                average_s += time.perf_counter() - averaging
+            for name, value in step_sums.items():
+                sums[name] = sums[name] + value if name in sums else value
+            if stop is not None and stop():
+                break
+        values = self._reduce_sums(sums)
+        loss_sum = values.pop("loss", 0.0)
+        if not math.isfinite(loss_sum):
+            self._diverged(loss_sum / max(examples, 1))
+        correct = values.pop("correct", None)
+        fields: dict[str, Any] = {"epoch": self.epoch, **self._phase_fields()}
+        fields["data_wait_s"] = wait_s / max(steps, 1)  # per step: loading not hidden
+        if self.role.average_every:
+            fields["average_s"] = average_s / max(steps, 1)
+        return {
+            "steps": steps,
+            "examples": examples,
+            "loss_sum": loss_sum,
+            "correct": None if correct is None else int(correct),
+            "term_sums": values,
+            "fields": fields,
+            "seconds": time.perf_counter() - started,
+            "position": self.position(),
+            "records": self.take_records(),
+        }
+
+    def _phase_fields(self) -> dict[str, Any]:
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else self.cfg.lr
+        return {"lr": lr, **self.objective.phase_metrics(self.model, self.phase)}
+
+    def _reduce_sums(self, sums: dict[str, Tensor]) -> dict[str, float]:
+        if not sums:
+            return {}
+        names = list(sums)
+        stacked = torch.stack([sums[n].double() for n in names])
+        if self.partitioned:
+            stacked = self.model.reduce(stacked)  # type: ignore[operator]
+        return dict(zip(names, stacked.tolist(), strict=True))
+
+    def _diverged(self, loss: float) -> None:
+        raise UserError(
+            f"training diverged: {self.role.name} loss is {loss} at its step {self.step}; "
+            "lower train.lr"
+        )
+
+    def average_now(self) -> None:
+        """Average weights and optimizer state over the group (sync "average" mode)."""
+        if self.role.average_every and self.optimizer is not None:
+            average_tensors(synced_state(self.model, self.optimizer))
+
+    # --- evaluation and checkpoints ------------------------------------------------------
+
+    def _evaluated_phase(self) -> int:
+        phase_steps = self.role.phase_steps
+        return max(self.step - 1, 0) // phase_steps if phase_steps else self.phase
+
+    def evaluate(self) -> dict[str, float] | None:
+        """Test metrics of the current parameters (the shards' under Downpour; the workers'
+        average in sync "average" mode); a sliced worker other than rank 0 answers None."""
+        with self._shard_values(), self._averaged():
+            if self.role.sliced and self.role.rank > 0:
+                return None
+            reduce = self.model.reduce if self.partitioned else None  # type: ignore[attr-defined]
+            options = {"reduce": reduce} if reduce is not None else {}
+            return self.objective.evaluate(
+                self.model,
+                self.test_set,
+                self.cfg.eval_batch_size,
+                self.device,
+                self._evaluated_phase(),
+                **options,
+            )
+
+    @contextmanager
+    def _averaged(self) -> Iterator[None]:
+        """Evaluate the average of the workers' weights without changing the workers."""
+        if not (self.role.average_every and self.role.world > 1):
+            yield
+            return
+        params = [p.data for p in self.model.parameters()]
+        saved = [p.clone() for p in params]
+        average_tensors(params)
+        try:
+            yield
+        finally:
+            for p, value in zip(params, saved, strict=True):
+                p.copy_(value)
+
+    @contextmanager
+    def _shard_values(self) -> Iterator[None]:
+        """Under Downpour: the shards' current parameters for the block, this replica's own
+        afterwards (its training goes on from where it was)."""
+        if self.client is None:
+            yield
+            return
+        params = [p for group in self.groups for p in group["params"]]
+        saved = [p.detach().clone() for p in params]
+        self.client.fetch(update_versions=False)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in zip(params, saved, strict=True):
+                    p.copy_(value)
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The whole replica's weights (assembled over a grid), its optimizer's state (none
+        under Downpour: the shards hold it) and the RNG, in strategy "single"'s format."""
+        with self._shard_values():
+            tensors, meta = model_state(self.model, self.optimizer)
+            if self.partitioned:
+                tensors = self._gathered(tensors)
+        if self.layerwise:
+            meta["stack"] = self.phase
+        return {k: v.detach().cpu() for k, v in tensors.items()}, meta
+
+    def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A grid worker's state as the whole replica's: its filters (and their optimizer
+        state) gathered, in the single-process network's names."""
+        model: Any = self.model
+        gathered = {f"model.{k}": v for k, v in model.global_state_dict().items()}
+        params = self._optimizer_params() if self.optimizer is not None else []
+        for name, value in tensors.items():
+            if name.startswith("optim."):
+                _, index, _ = name.split(".", 2)
+                value = model.gather_parameter(params[int(index)], value)
+            if not name.startswith("model."):
+                gathered[name] = value
+        return gathered
+
+    def _optimizer_params(self) -> list[nn.Parameter]:
+        assert self.optimizer is not None
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def rng_state(self) -> Tensor:
+        return torch.get_rng_state()
+
+    def restore(self, tensors: dict[str, Tensor], meta: dict[str, Any], source: str) -> None:
+        """Continue from a checkpoint of `state()` (made under any strategy and grid that
+        trains the same model); `meta["step"]` is where."""
+        self.step = int(meta["step"])
+        phase_steps = self.role.phase_steps
+        self._select_phase(int(meta.get("stack", 0)) if self.layerwise else 0)
+        within = self.step - self.phase * phase_steps if phase_steps else self.step
+        self.epoch, self.batch = divmod(within, self.batches_per_epoch)
+        self._batches = None
+        rank_rng = f"rng.torch.{self.role.rank}"
+        if not self.partitioned:
+            load_model_state(self.model, self.optimizer, tensors, meta, source)
+        else:
+            self._restore_parts(tensors, meta, source)
+        if self.role.sliced and self.role.rank > 0:
+            if rank_rng in tensors:
+                torch.set_rng_state(tensors[rank_rng])
+            else:
+                torch.manual_seed(derive_seed(self.job.run.seed, self.role.rank, self.step))
+
+    def _restore_parts(self, tensors: dict[str, Tensor], meta: dict[str, Any], source: str) -> None:
+        model: Any = self.model
+        weights = {
+            k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")
+        }
+        try:
+            model.load_global_state_dict({k: v.to(self.device) for k, v in weights.items()})
+        except ValueError as err:
+            raise UserError(f"checkpoint {source} does not fit the model: {err}") from None
+        if self.optimizer is not None:
+            params = self._optimizer_params()
+            local = {}
+            for name, value in tensors.items():
+                if name.startswith("optim."):
+                    _, index, _ = name.split(".", 2)
+                    local[name] = model.scatter_parameter(params[int(index)], value).to(self.device)
+            load_optimizer_state(self.optimizer, local, meta["optimizer"])
+        torch.set_rng_state(tensors["rng.torch"])
+
+    # --- Downpour: the phase's parameters live on parameter-server shards ----------------
+
+    def _lane_params(self) -> list[list[tuple[str, nn.Parameter]]]:
+        """This worker's parameters of the phase, one list per parameter group; on a grid,
+        replicated parameters (alpha) are kept on shards by rank 0 only."""
+        model: Any = self.model
+        lanes = []
+        for g, group in enumerate(self.groups):
+            params = [
+                (f"group{g}.{i}", p)
+                for i, p in enumerate(group["params"])
+                if not (self.partitioned and self.role.rank > 0 and model.replicated(p))
+            ]
+            lanes.append(params)
+        return lanes
+
+    def begin_phase(self, phase: int, fresh: bool = True) -> list[tuple[Tensor, float] | None]:
+        """Make `phase` current (from its first minibatch when `fresh`; a layer-wise phase
+        then fits its start, e.g. alpha, on that minibatch); return what its shards start
+        from: per parameter group, this worker's values (P_g,) and the group's learning
+        rate, or None where rank 0 of the grid keeps the group."""
+        if fresh:
+            self.epoch, self.batch, self._batches = 0, 0, None
+        self._select_phase(phase)
+        if fresh and self.layerwise:
+            self.objective.begin_phase(self.model, self._peek_batch(), phase)
+        initial: list[tuple[Tensor, float] | None] = []
+        for group, params in zip(self.groups, self._lane_params(), strict=True):
+            if not params:
+                initial.append(None)
+                continue
+            values = torch.cat([p.detach().reshape(-1).cpu() for _, p in params])
+            initial.append((values, float(group.get("lr", self.cfg.lr))))
+        return initial
+
+    def attach(
+        self,
+        phase: int,
+        servers: list[ParameterServer | None],
+        n_fetch: int,
+        n_push: int,
+        threads: bool = False,
+        fresh: bool = True,
+    ) -> None:
+        """Train phase `phase` through `servers` (one per parameter group, None where
+        another worker of the grid keeps it)."""
+        if self.phase != phase or fresh:
+            if fresh:
+                self.epoch, self.batch, self._batches = 0, 0, None
+            self._select_phase(phase)
+        self.optimizer = None
+        lanes = [
+            (params, server)
+            for params, server in zip(self._lane_params(), servers, strict=True)
+            if params and server is not None
+        ]
+        model: Any = self.model
+        after_pull = before_push = after_push = None
+        if self.partitioned:
+            replicated = [p for g in self.groups for p in g["params"] if model.replicated(p)]
+            lane_ids = {id(p) for params, _ in lanes for _, p in params}
+            others = [p for g in self.groups for p in g["params"] if id(p) not in lane_ids]
+
+            def after_pull() -> None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    for p in replicated:
+                        dist.broadcast(p.data, src=0, group=model.group)
+
+            def before_push() -> None:
+                model.sync_grads()
+
+            def after_push() -> None:
+                for p in others:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+        from scaleout.ps import ReplicaClient  # imports Ray: only Downpour's workers need it
+
+        self.client = ReplicaClient(
+            lanes, n_fetch, n_push, threads, after_pull, before_push, after_push
+        )
+
+    def _after_backward(self, loss: Tensor, compute_s: float) -> None:
+        value = loss.item()
+        if not math.isfinite(value):  # never push a diverged gradient to the shards
+            self._diverged(value)
+        window = self._push_window
+        window[0] += value
+        window[1] += 1
+        window[2] += compute_s
+        assert self.client is not None
+        if (self.client.steps + 1) % self.client.n_push == 0:
+            self.client.after_backward(**self._push_info())
+        else:
+            self.client.after_backward()
+
+    def _push_info(self) -> dict[str, Any]:
+        """What a push record says of this worker: the mean loss and compute seconds of the
+        steps since the previous push."""
+        loss_sum, steps, compute_s = self._push_window
+        self._push_window = [0.0, 0, 0.0]
+        info: dict[str, Any] = {
+            "replica": self.role.replica,
+            "replica_step": self.step + 1,
+            "loss": loss_sum / steps if steps else None,
+            "compute_s": round(compute_s, 6),
+        }
+        if self.partitioned:
+            info["worker"] = self.role.rank
+        return info
+
+    def take_records(self) -> list[dict[str, Any]]:
+        return self.client.take_records() if self.client is not None else []
+
+    def flush_pushes(self) -> list[dict[str, Any]]:
+        """Push what is left and wait until the shards applied it; the last push records."""
+        if self.client is None:
+            return []
+        return self.client.flush(pull=False, **self._push_info())
+
+    def adopt_final(self) -> dict[str, Any]:
+        """Adopt the shards' final values and leave them (after every replica flushed);
+        return the client's statistics."""
+        if self.client is None:
+            return {}
+        self.client.fetch()
+        stats = {**self.client.stats, "staleness": list(self.client.staleness)}
+        self.client.close()
+        self.client = None
+        return stats
+
+    def load_weights(self, tensors: dict[str, Tensor], source: str) -> None:
+        """Take the model weights of a checkpoint (a Downpour replica restored from it)."""
+        if self.partitioned:
+            self.model.load_global_state_dict(  # type: ignore[operator]
+                {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+            )
+        else:
+            load_model_weights(self.model, tensors, source)

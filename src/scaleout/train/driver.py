@@ -1,0 +1,281 @@
+"""The one driver: everything a run does around a strategy's training.
+
+It asks the strategy for chunks of steps that end where something is due: a metrics line
+every `train.log_every` steps, an evaluation every `eval_every` and at the end of each
+phase, a checkpoint every `checkpoint_every` and at the end. It writes `metrics.jsonl` (and
+TensorBoard events with `run.tensorboard`), shows the progress bar, stops at
+`train.target_accuracy`, turns Ctrl-C into a stop at the end of the current chunk with a
+checkpoint (a second Ctrl-C interrupts at once), refuses to resume from a checkpoint of
+another run, and prints the summary. A strategy only trains (`scaleout.train.protocol`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scaleout.checkpoint import load_checkpoint
+from scaleout.errors import CheckpointError, UserError
+from scaleout.interrupt import StopOnInterrupt
+from scaleout.metrics import MetricsLog, plot_terms, read_metrics, truncate_metrics
+from scaleout.progress import TrainingProgress, console
+from scaleout.rundir import RunDir
+from scaleout.train.job import Job
+from scaleout.train.protocol import Chunk, Plan, Resume, Strategy
+
+TERMS_PLOT_FILE = "objective.png"
+
+
+@dataclass
+class TrainResult:
+    """What `scaleout.fit` returns: where the run stopped, its summary and its directory."""
+
+    step: int
+    interrupted: bool
+    summary: dict[str, Any] = field(default_factory=dict)
+    run_dir: Path | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.step
+
+    @property
+    def best_test_accuracy(self) -> float | None:
+        return self.summary.get("best_test_accuracy")
+
+    @property
+    def final_test_accuracy(self) -> float | None:
+        return self.summary.get("final_test_accuracy")
+
+    @property
+    def final_test_loss(self) -> float | None:
+        return self.summary.get("final_test_loss")
+
+
+class Window:
+    """Sums of the chunks since the last metrics line."""
+
+    def __init__(self) -> None:
+        self.steps = self.examples = 0
+        self.loss_sum, self.seconds = 0.0, 0.0
+        self.correct: int | None = None
+        self.terms: dict[str, float] = {}
+        self.fields: dict[str, Any] = {}
+
+    def add(self, chunk: Chunk, seconds: float) -> None:
+        self.steps += chunk.steps
+        self.examples += chunk.examples
+        self.loss_sum += chunk.loss_sum
+        if chunk.correct is not None:
+            self.correct = (self.correct or 0) + chunk.correct
+        for name, value in chunk.term_sums.items():
+            self.terms[name] = self.terms.get(name, 0.0) + value
+        self.fields.update(chunk.fields)
+        self.seconds += chunk.seconds if chunk.seconds is not None else seconds
+
+
+def reached(target: float | None, record: dict[str, Any]) -> bool:
+    """Whether an evaluation reached `train.target_accuracy` (the run then stops)."""
+    accuracy = record.get("test_accuracy")
+    if target is None or accuracy is None or accuracy < target:
+        return False
+    console.print(
+        f"test accuracy {100 * accuracy:.2f}% reached the target at step {record['step']}"
+    )
+    return True
+
+
+def show_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
+    """Loss, test accuracy and rate beside the bar, and a log line per evaluation."""
+    fields = {}
+    if "stack" in record:
+        fields["stack"] = f"stack {record['stack']}"
+    if record.get("loss") is not None:
+        fields["loss"] = f"loss {record['loss']:.4f}"
+    if "test_accuracy" in record:
+        fields["acc"] = f"acc {100 * record['test_accuracy']:.2f}%"
+    rate = record.get("examples_per_s")
+    if rate is not None:
+        fields["rate"] = f"{rate / 1000:.1f}k ex/s" if rate >= 1000 else f"{rate:.1f} ex/s"
+    progress.update(record["step"], **{**fields, **record.get("_bar", {})})
+    if "test_loss" in record:
+        progress.log(
+            f"step {record['step']}  {record['time_s']:.1f}s  "
+            + "  ".join(fields.values())
+            + f"  test loss {record['test_loss']:.4f}"
+        )
+
+
+class Driver:
+    """Runs `strategy` for `job` in `run`; `resume` continues from its last checkpoint."""
+
+    def __init__(self, strategy: Strategy, job: Job, run: RunDir, resume: bool = False) -> None:
+        self.strategy, self.job, self.run, self.resume = strategy, job, run, resume
+        self.step = self.examples = 0
+        self.elapsed = 0.0
+        self.start_time = time.perf_counter()
+        self.plan: Plan | None = None
+
+    # --- resume ----------------------------------------------------------------------------
+
+    def _load_resume(self, plan: Plan) -> Resume:
+        path = self.run.checkpoints.latest()
+        assert path is not None  # RunDir.prepare checked
+        tensors, meta = load_checkpoint(path)
+        for key, value in plan.resume_meta().items():
+            if key in meta and meta[key] != value:
+                raise CheckpointError(
+                    f"checkpoint {path} was made with {key} = {meta[key]}, this config gives "
+                    f"{value}: resume with the same train.batch_size, train.steps and data"
+                )
+        return Resume(path, tensors, meta)
+
+    # --- records ---------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start_time
+
+    def _record(self, window: Window) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "time_s": round(self.now(), 4),
+            "step": self.step,
+            "examples": self.examples,
+        }
+        if window.examples:
+            record["loss"] = window.loss_sum / window.examples
+            for name, value in window.terms.items():
+                record[name] = value / window.examples
+            if window.correct is not None:
+                record["train_accuracy"] = window.correct / window.examples
+            record["examples_per_s"] = window.examples / max(window.seconds, 1e-9)
+        record.update(window.fields)
+        loss = record.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            raise UserError(
+                f"training diverged: loss is {loss} at step {self.step}; lower train.lr"
+            )
+        return record
+
+    def _save(self, record: dict[str, Any]) -> None:
+        assert self.plan is not None
+        tensors, meta = self.strategy.state()
+        meta.update(
+            step=self.step,
+            examples=self.examples,
+            time_s=self.now(),
+            strategy=self.strategy.name,
+            config=self.job.record,
+            metrics={k: v for k, v in record.items() if not k.startswith("_")},
+            **self.plan.resume_meta(),
+        )
+        self.run.checkpoints.save(self.step, tensors, meta)
+        write = getattr(self.job.model, "write_artifacts", None)
+        if write is not None:
+            write(tensors, meta, self.run.path)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run_training(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            self.strategy.close()
+
+    def _run(self) -> TrainResult:
+        cfg = self.job.train
+        plan = self.plan = self.strategy.plan()
+        resume = self._load_resume(plan) if self.resume else None
+        if resume is not None:
+            meta = resume.meta
+            self.step, self.examples, self.elapsed = meta["step"], meta["examples"], meta["time_s"]
+        counters = self.strategy.start(resume)
+        self.step = counters.get("step", self.step)
+        self.examples = counters.get("examples", self.examples)
+        self.elapsed = counters.get("time_s", self.elapsed)
+        if resume is not None:
+            truncate_metrics(self.run.metrics, self.step)
+            console.print(f"resumed {self.run.path} at step {self.step} from {resume.path.name}")
+        self.start_time = time.perf_counter() - self.elapsed
+        total = plan.total_steps
+        boundaries = plan.boundaries()
+        tensorboard = self.run.tensorboard if self.job.run.tensorboard else None
+        record: dict[str, Any] = {}
+        saved_at, evaluated_at, terms = -1, -1, set()
+        window = Window()
+        stopped: str | None = None
+        with (
+            MetricsLog(self.run.metrics, tensorboard) as log,
+            StopOnInterrupt() as interrupt,
+            TrainingProgress(total, self.step, self.strategy.name) as bar,
+        ):
+
+            def emit(evaluate: bool) -> None:
+                nonlocal record, window, evaluated_at, total
+                record = self._record(window)
+                record.update(self.strategy.metrics())
+                terms.update(window.terms)
+                window = Window()
+                if evaluate:
+                    record.update(self.strategy.evaluate())
+                    evaluated_at = self.step
+                    if reached(cfg.target_accuracy, record):
+                        total = self.step
+                log.log({k: v for k, v in record.items() if not k.startswith("_")})
+                show_progress(bar, record)
+
+            while self.step < total and not interrupt.requested and stopped is None:
+                cadence = [cfg.log_every, cfg.eval_every, cfg.checkpoint_every]
+                target = min([(self.step // b + 1) * b for b in cadence] + [total])
+                target = min([target] + [b for b in boundaries if b > self.step])
+                started = time.perf_counter()
+                chunk = self.strategy.train(target - self.step, lambda: interrupt.requested)
+                window.add(chunk, time.perf_counter() - started)
+                before, self.step = self.step, self.step + chunk.steps
+                self.examples += chunk.examples
+                stopped = chunk.stopped
+                bar.update(self.step)
+
+                def crossed(every: int, before: int = before) -> bool:
+                    return self.step // every > before // every
+
+                phase_end = any(before < b <= self.step for b in boundaries)
+                last = self.step >= total or stopped is not None
+                evaluating = crossed(cfg.eval_every) or phase_end or last
+                if crossed(cfg.log_every) or evaluating or interrupt.requested:
+                    emit(evaluating)
+                due = crossed(cfg.checkpoint_every) or phase_end
+                if due and not (self.step >= total or interrupt.requested or stopped):
+                    self._save(record)  # the last checkpoint is written after `finish`
+                    saved_at = self.step
+            tail = self.strategy.finish()
+            if tail.steps:
+                window.add(tail, tail.seconds or 0.0)
+                self.step += tail.steps
+                self.examples += tail.examples
+                bar.update(self.step)
+            if window.steps and record.get("step") != self.step:
+                emit(evaluate=not interrupt.requested and evaluated_at != self.step)
+            if record and saved_at != self.step:
+                self._save(record)
+        if interrupt.requested:
+            console.print(
+                f"interrupted at step {self.step}: checkpoint saved in "
+                f"{self.run.checkpoints.directory}; continue with --resume"
+            )
+        elif stopped is not None:
+            console.print(f"{self.strategy.name} stopped: {stopped}")
+        if terms and plan.num_phases > 1 and plan.phase_steps:
+            plot_terms(
+                read_metrics(self.run.metrics),
+                sorted(terms),
+                plan.phase_steps,
+                self.run.path / TERMS_PLOT_FILE,
+            )
+        summary = self.run.finish()
+        summary.update(self.strategy.summary())
+        if stopped is not None:
+            summary["stopped"] = stopped
+        return TrainResult(self.step, interrupt.requested, summary, self.run.path)
