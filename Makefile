@@ -23,6 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
@@ -33,6 +34,7 @@ test-all: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache

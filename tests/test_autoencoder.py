@@ -12,12 +12,13 @@ import torch
 from scaleout.api import load_config, prepare
 from scaleout.cli import main
 from scaleout.data import natural_image_patches
+from scaleout.data.faces import face_dataset
 from scaleout.info import describe_model
 from scaleout.metrics import read_metrics
 from scaleout.nn import MODELS, SparseAutoencoderNetwork, SparseAutoencoderStack, build_model, local
 from scaleout.nn.autoencoder import tied_autoencode, write_filter_image
 from scaleout.nn.local import LocalGeometry
-from scaleout.nn.selectivity import best_threshold_accuracy, face_dataset
+from scaleout.nn.selectivity import best_threshold_accuracy
 from scaleout.reports import selectivity_report
 from scaleout.rundir import RunDir
 from scaleout.train import driver

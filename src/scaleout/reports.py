@@ -11,9 +11,10 @@ import torch
 
 from scaleout.api import config_from_dict
 from scaleout.checkpoint import load_checkpoint
+from scaleout.data.faces import face_dataset
 from scaleout.errors import UserError
 from scaleout.nn.config import SparseAutoencoderModel
-from scaleout.nn.selectivity import PAPER, face_dataset, selectivity
+from scaleout.nn.selectivity import PAPER, selectivity
 from scaleout.rundir import CONFIG_FILE, RunDir
 
 

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-import scaleout
 from scaleout.data.idx import read_idx
 from scaleout.data.loader import derive_seed
 from scaleout.errors import DataError
@@ -106,8 +105,8 @@ def _missing_files(directory: Path) -> list[str]:
 
 
 def _repo_root() -> Path:
-    # src/scaleout/__init__.py -> the repository (the package is installed editable).
-    return Path(scaleout.__file__).resolve().parents[2]
+    # src/scaleout/data/datasets.py -> the repository (the package is installed editable).
+    return Path(__file__).resolve().parents[3]
 
 
 def find_data_dir(name: str, path: str | Path | None = None) -> Path:

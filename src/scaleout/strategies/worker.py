@@ -41,7 +41,7 @@ from scaleout.data.parts import data_part
 from scaleout.data.prefetch import DevicePrefetcher
 from scaleout.errors import UserError
 from scaleout.nn.optim import build_optimizer
-from scaleout.parallel import average_tensors, parallelize, synced_state
+from scaleout.parallel import average_tensors, parallelize, parts, synced_state
 from scaleout.runtime import resolve_device
 from scaleout.train.job import Job
 from scaleout.train.objective import Layerwise, objective_for
@@ -200,7 +200,7 @@ class Worker:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if self.partitioned:
-                    self.model.sync_grads()  # type: ignore[operator]
+                    parts.sync_grads(self.model)
                 self.optimizer.step()
             else:
                 loss.backward()
@@ -247,7 +247,7 @@ class Worker:
         names = list(sums)
         stacked = torch.stack([sums[n].double() for n in names])
         if self.partitioned:
-            stacked = self.model.reduce(stacked)  # type: ignore[operator]
+            stacked = parts.reduce_parts(self.model, stacked)
         return dict(zip(names, stacked.tolist(), strict=True))
 
     def _diverged(self, loss: float) -> None:
@@ -273,8 +273,9 @@ class Worker:
         with self._shard_values(), self._averaged():
             if self.role.sliced and self.role.rank > 0:
                 return None
-            reduce = self.model.reduce if self.partitioned else None  # type: ignore[attr-defined]
-            options = {"reduce": reduce} if reduce is not None else {}
+            options = {}
+            if self.partitioned:
+                options["reduce"] = lambda values: parts.reduce_parts(self.model, values)
             return self.objective.evaluate(
                 self.model,
                 self.test_set,
@@ -330,13 +331,13 @@ class Worker:
     def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """A grid worker's state as the whole replica's: its filters (and their optimizer
         state) gathered, in the single-process network's names."""
-        model: Any = self.model
-        gathered = {f"model.{k}": v for k, v in model.global_state_dict().items()}
+        model = self.model
+        gathered = {f"model.{k}": v for k, v in parts.global_state_dict(model).items()}
         params = self._optimizer_params() if self.optimizer is not None else []
         for name, value in tensors.items():
             if name.startswith("optim."):
                 _, index, _ = name.split(".", 2)
-                value = model.gather_parameter(params[int(index)], value)
+                value = parts.gather_parameter(model, params[int(index)], value)
             if not name.startswith("model."):
                 gathered[name] = value
         return gathered
@@ -369,12 +370,12 @@ class Worker:
                 torch.manual_seed(derive_seed(self.job.run.seed, self.role.rank, self.step))
 
     def _restore_parts(self, tensors: dict[str, Tensor], meta: dict[str, Any], source: str) -> None:
-        model: Any = self.model
+        model = self.model
         weights = {
             k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")
         }
         try:
-            model.load_global_state_dict({k: v.to(self.device) for k, v in weights.items()})
+            parts.load_global_state_dict(model, {k: v.to(self.device) for k, v in weights.items()})
         except ValueError as err:
             raise UserError(f"checkpoint {source} does not fit the model: {err}") from None
         if self.optimizer is not None:
@@ -383,22 +384,25 @@ class Worker:
             for name, value in tensors.items():
                 if name.startswith("optim."):
                     _, index, _ = name.split(".", 2)
-                    local[name] = model.scatter_parameter(params[int(index)], value).to(self.device)
+                    value = parts.scatter_parameter(model, params[int(index)], value)
+                    local[name] = value.to(self.device)
             load_optimizer_state(self.optimizer, local, meta["optimizer"])
         torch.set_rng_state(tensors["rng.torch"])
 
     # --- Downpour: the phase's parameters live on parameter-server shards ----------------
 
+    def _replicated(self, param: nn.Parameter) -> bool:
+        return parts.is_replicated(self.model, param)
+
     def _lane_params(self) -> list[list[tuple[str, nn.Parameter]]]:
         """This worker's parameters of the phase, one list per parameter group; on a grid,
         replicated parameters (alpha) are kept on shards by rank 0 only."""
-        model: Any = self.model
         lanes = []
         for g, group in enumerate(self.groups):
             params = [
                 (f"group{g}.{i}", p)
                 for i, p in enumerate(group["params"])
-                if not (self.partitioned and self.role.rank > 0 and model.replicated(p))
+                if not (self.partitioned and self.role.rank > 0 and self._replicated(p))
             ]
             lanes.append(params)
         return lanes
@@ -443,22 +447,18 @@ class Worker:
             for params, server in zip(self._lane_params(), servers, strict=True)
             if params and server is not None
         ]
-        model: Any = self.model
         after_pull = before_push = after_push = None
         if self.partitioned:
-            replicated = [p for g in self.groups for p in g["params"] if model.replicated(p)]
+            model = self.model
+            replicated = [p for g in self.groups for p in g["params"] if self._replicated(p)]
             lane_ids = {id(p) for params, _ in lanes for _, p in params}
             others = [p for g in self.groups for p in g["params"] if id(p) not in lane_ids]
 
             def after_pull() -> None:
-                import torch.distributed as dist
-
-                if dist.is_initialized():
-                    for p in replicated:
-                        dist.broadcast(p.data, src=0, group=model.group)
+                parts.broadcast_replicated(model, replicated)
 
             def before_push() -> None:
-                model.sync_grads()
+                parts.sync_grads(model)
 
             def after_push() -> None:
                 for p in others:
@@ -523,8 +523,9 @@ class Worker:
     def load_weights(self, tensors: dict[str, Tensor], source: str) -> None:
         """Take the model weights of a checkpoint (a Downpour replica restored from it)."""
         if self.partitioned:
-            self.model.load_global_state_dict(  # type: ignore[operator]
-                {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-            )
+            weights = {
+                k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")
+            }
+            parts.load_global_state_dict(self.model, weights)
         else:
             load_model_weights(self.model, tensors, source)
