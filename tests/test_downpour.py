@@ -17,7 +17,7 @@ from scaleout.errors import UserError
 from scaleout.metrics import read_metrics
 from scaleout.rundir import RunDir
 from scaleout.runtime import connect
-from scaleout.strategies.downpour.strategy import PUSHES_FILE
+from scaleout.strategies.downpour.pushes import PUSHES_FILE
 
 CONFIG = """
 [run]
@@ -141,7 +141,7 @@ def test_killed_replica_is_restarted_and_training_completes(ray_session, tmp_pat
 
 def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
     downpour = driver(write_config(tmp_path, steps=600))
-    kill_when(downpour, 200, lambda: downpour.strategy.servers[0][0].info()[0]["pid"])
+    kill_when(downpour, 200, lambda: downpour.strategy.lanes.servers[0][0].info()[0]["pid"])
     result = downpour.train()
     assert result.step == 600
     assert result.summary["shard_restarts"] == 1

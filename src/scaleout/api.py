@@ -35,6 +35,7 @@ from scaleout.config import Section, apply_overrides, read_toml, validate
 from scaleout.data.config import DATA_SECTIONS, LoaderSection
 from scaleout.errors import ConfigError, DataError
 from scaleout.factories import callable_name
+from scaleout.metrics import check_tensorboard
 from scaleout.nn.config import MODEL_SECTIONS
 from scaleout.progress import console
 from scaleout.rundir import RunDir
@@ -232,6 +233,8 @@ def prepare(
     source = str(config) if isinstance(config, str | os.PathLike) else "config"
     job = build_job(run_config, model, data, loss, source)
     spec = STRATEGIES[run_config.train.strategy]
+    if job.run.tensorboard:
+        check_tensorboard()
     probe_job(job)
     strategy = spec.create(job)
     run_dir = RunDir.prepare(

@@ -85,6 +85,17 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 def tensorboard_writer(directory: Path) -> Any:  # noqa: ANN401 - a SummaryWriter
     """A TensorBoard `SummaryWriter` for `directory`; a clear error when the optional
     dependency is missing."""
+    summary_writer = _summary_writer()
+    directory.mkdir(parents=True, exist_ok=True)
+    return summary_writer(log_dir=str(directory))
+
+
+def check_tensorboard() -> None:
+    """Fail before a run starts when `run.tensorboard = true` cannot be honoured."""
+    _summary_writer()
+
+
+def _summary_writer() -> Any:  # noqa: ANN401 - the SummaryWriter class
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -92,8 +103,7 @@ def tensorboard_writer(directory: Path) -> Any:  # noqa: ANN401 - a SummaryWrite
             "run.tensorboard = true needs the tensorboard package: pip install "
             "'scaleout[tensorboard]' (or pip install tensorboard), or set run.tensorboard = false"
         ) from None
-    directory.mkdir(parents=True, exist_ok=True)
-    return SummaryWriter(log_dir=str(directory))
+    return SummaryWriter
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ optimizer stepping the whole vector: every optimizer here is element-wise.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
@@ -29,6 +30,17 @@ class OptimizerOptions(Protocol):
     def momentum(self) -> float: ...
     @property
     def weight_decay(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Options for an optimizer outside a run config (e.g. a parameter server started by a
+    user's own loop): `OptimizerSpec("adagrad", lr=0.05)`."""
+
+    optimizer: OptimizerName = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
 
 
 def build_optimizer(

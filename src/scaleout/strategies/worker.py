@@ -35,7 +35,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaleout.checkpoint import load_optimizer_state
 from scaleout.data import derive_seed, make_loader, num_batches
 from scaleout.data.parts import data_part
 from scaleout.data.prefetch import DevicePrefetcher
@@ -43,12 +42,13 @@ from scaleout.errors import UserError
 from scaleout.nn.optim import build_optimizer
 from scaleout.parallel import average_tensors, parallelize, parts, synced_state
 from scaleout.runtime import resolve_device
+from scaleout.strategies.worker_shards import OnShards
+from scaleout.strategies.worker_state import WorkerState
 from scaleout.train.job import Job
 from scaleout.train.objective import Layerwise, objective_for
-from scaleout.train.state import load_model_state, load_model_weights, model_state
 
 if TYPE_CHECKING:
-    from scaleout.ps import ParameterServer, ReplicaClient
+    from scaleout.ps import ReplicaClient
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Role:
         return dataclasses.replace(self, rank=rank, world=world)
 
 
-class Worker:
+class Worker(WorkerState, OnShards):
     def __init__(self, job: Job, role: Role, position: dict[str, int] | None = None) -> None:
         self.job, self.role, self.cfg = job, role, job.train
         self.device = resolve_device(job.run.device)
@@ -299,233 +299,3 @@ class Worker:
         finally:
             for p, value in zip(params, saved, strict=True):
                 p.copy_(value)
-
-    @contextmanager
-    def _shard_values(self) -> Iterator[None]:
-        """Under Downpour: the shards' current parameters for the block, this replica's own
-        afterwards (its training goes on from where it was)."""
-        if self.client is None:
-            yield
-            return
-        params = [p for group in self.groups for p in group["params"]]
-        saved = [p.detach().clone() for p in params]
-        self.client.fetch(update_versions=False)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, value in zip(params, saved, strict=True):
-                    p.copy_(value)
-
-    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """The whole replica's weights (assembled over a grid), its optimizer's state (none
-        under Downpour: the shards hold it) and the RNG, in strategy "single"'s format."""
-        with self._shard_values():
-            tensors, meta = model_state(self.model, self.optimizer)
-            if self.partitioned:
-                tensors = self._gathered(tensors)
-        if self.layerwise:
-            meta["stack"] = self.phase
-        return {k: v.detach().cpu() for k, v in tensors.items()}, meta
-
-    def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        """A grid worker's state as the whole replica's: its filters (and their optimizer
-        state) gathered, in the single-process network's names."""
-        model = self.model
-        gathered = {f"model.{k}": v for k, v in parts.global_state_dict(model).items()}
-        params = self._optimizer_params() if self.optimizer is not None else []
-        for name, value in tensors.items():
-            if name.startswith("optim."):
-                _, index, _ = name.split(".", 2)
-                value = parts.gather_parameter(model, params[int(index)], value)
-            if not name.startswith("model."):
-                gathered[name] = value
-        return gathered
-
-    def _optimizer_params(self) -> list[nn.Parameter]:
-        assert self.optimizer is not None
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def rng_state(self) -> Tensor:
-        return torch.get_rng_state()
-
-    def restore(self, tensors: dict[str, Tensor], meta: dict[str, Any], source: str) -> None:
-        """Continue from a checkpoint of `state()` (made under any strategy and grid that
-        trains the same model); `meta["step"]` is where."""
-        self.step = int(meta["step"])
-        phase_steps = self.role.phase_steps
-        self._select_phase(int(meta.get("stack", 0)) if self.layerwise else 0)
-        within = self.step - self.phase * phase_steps if phase_steps else self.step
-        self.epoch, self.batch = divmod(within, self.batches_per_epoch)
-        self._batches = None
-        rank_rng = f"rng.torch.{self.role.rank}"
-        if not self.partitioned:
-            load_model_state(self.model, self.optimizer, tensors, meta, source)
-        else:
-            self._restore_parts(tensors, meta, source)
-        if self.role.sliced and self.role.rank > 0:
-            if rank_rng in tensors:
-                torch.set_rng_state(tensors[rank_rng])
-            else:
-                torch.manual_seed(derive_seed(self.job.run.seed, self.role.rank, self.step))
-
-    def _restore_parts(self, tensors: dict[str, Tensor], meta: dict[str, Any], source: str) -> None:
-        model = self.model
-        weights = {
-            k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")
-        }
-        try:
-            parts.load_global_state_dict(model, {k: v.to(self.device) for k, v in weights.items()})
-        except ValueError as err:
-            raise UserError(f"checkpoint {source} does not fit the model: {err}") from None
-        if self.optimizer is not None:
-            params = self._optimizer_params()
-            local = {}
-            for name, value in tensors.items():
-                if name.startswith("optim."):
-                    _, index, _ = name.split(".", 2)
-                    value = parts.scatter_parameter(model, params[int(index)], value)
-                    local[name] = value.to(self.device)
-            load_optimizer_state(self.optimizer, local, meta["optimizer"])
-        torch.set_rng_state(tensors["rng.torch"])
-
-    # --- Downpour: the phase's parameters live on parameter-server shards ----------------
-
-    def _replicated(self, param: nn.Parameter) -> bool:
-        return parts.is_replicated(self.model, param)
-
-    def _lane_params(self) -> list[list[tuple[str, nn.Parameter]]]:
-        """This worker's parameters of the phase, one list per parameter group; on a grid,
-        replicated parameters (alpha) are kept on shards by rank 0 only."""
-        lanes = []
-        for g, group in enumerate(self.groups):
-            params = [
-                (f"group{g}.{i}", p)
-                for i, p in enumerate(group["params"])
-                if not (self.partitioned and self.role.rank > 0 and self._replicated(p))
-            ]
-            lanes.append(params)
-        return lanes
-
-    def begin_phase(self, phase: int, fresh: bool = True) -> list[tuple[Tensor, float] | None]:
-        """Make `phase` current (from its first minibatch when `fresh`; a layer-wise phase
-        then fits its start, e.g. alpha, on that minibatch); return what its shards start
-        from: per parameter group, this worker's values (P_g,) and the group's learning
-        rate, or None where rank 0 of the grid keeps the group."""
-        if fresh:
-            self.epoch, self.batch, self._batches = 0, 0, None
-        self._select_phase(phase)
-        if fresh and self.layerwise:
-            self.objective.begin_phase(self.model, self._peek_batch(), phase)
-        initial: list[tuple[Tensor, float] | None] = []
-        for group, params in zip(self.groups, self._lane_params(), strict=True):
-            if not params:
-                initial.append(None)
-                continue
-            values = torch.cat([p.detach().reshape(-1).cpu() for _, p in params])
-            initial.append((values, float(group.get("lr", self.cfg.lr))))
-        return initial
-
-    def attach(
-        self,
-        phase: int,
-        servers: list[ParameterServer | None],
-        n_fetch: int,
-        n_push: int,
-        threads: bool = False,
-        fresh: bool = True,
-    ) -> None:
-        """Train phase `phase` through `servers` (one per parameter group, None where
-        another worker of the grid keeps it)."""
-        if self.phase != phase or fresh:
-            if fresh:
-                self.epoch, self.batch, self._batches = 0, 0, None
-            self._select_phase(phase)
-        self.optimizer = None
-        lanes = [
-            (params, server)
-            for params, server in zip(self._lane_params(), servers, strict=True)
-            if params and server is not None
-        ]
-        after_pull = before_push = after_push = None
-        if self.partitioned:
-            model = self.model
-            replicated = [p for g in self.groups for p in g["params"] if self._replicated(p)]
-            lane_ids = {id(p) for params, _ in lanes for _, p in params}
-            others = [p for g in self.groups for p in g["params"] if id(p) not in lane_ids]
-
-            def after_pull() -> None:
-                parts.broadcast_replicated(model, replicated)
-
-            def before_push() -> None:
-                parts.sync_grads(model)
-
-            def after_push() -> None:
-                for p in others:
-                    if p.grad is not None:
-                        p.grad.zero_()
-
-        from scaleout.ps import ReplicaClient  # imports Ray: only Downpour's workers need it
-
-        self.client = ReplicaClient(
-            lanes, n_fetch, n_push, threads, after_pull, before_push, after_push
-        )
-
-    def _after_backward(self, loss: Tensor, compute_s: float) -> None:
-        value = loss.item()
-        if not math.isfinite(value):  # never push a diverged gradient to the shards
-            self._diverged(value)
-        window = self._push_window
-        window[0] += value
-        window[1] += 1
-        window[2] += compute_s
-        assert self.client is not None
-        if (self.client.steps + 1) % self.client.n_push == 0:
-            self.client.after_backward(**self._push_info())
-        else:
-            self.client.after_backward()
-
-    def _push_info(self) -> dict[str, Any]:
-        """What a push record says of this worker: the mean loss and compute seconds of the
-        steps since the previous push."""
-        loss_sum, steps, compute_s = self._push_window
-        self._push_window = [0.0, 0, 0.0]
-        info: dict[str, Any] = {
-            "replica": self.role.replica,
-            "replica_step": self.step + 1,
-            "loss": loss_sum / steps if steps else None,
-            "compute_s": round(compute_s, 6),
-        }
-        if self.partitioned:
-            info["worker"] = self.role.rank
-        return info
-
-    def take_records(self) -> list[dict[str, Any]]:
-        return self.client.take_records() if self.client is not None else []
-
-    def flush_pushes(self) -> list[dict[str, Any]]:
-        """Push what is left and wait until the shards applied it; the last push records."""
-        if self.client is None:
-            return []
-        return self.client.flush(pull=False, **self._push_info())
-
-    def adopt_final(self) -> dict[str, Any]:
-        """Adopt the shards' final values and leave them (after every replica flushed);
-        return the client's statistics."""
-        if self.client is None:
-            return {}
-        self.client.fetch()
-        stats = {**self.client.stats, "staleness": list(self.client.staleness)}
-        self.client.close()
-        self.client = None
-        return stats
-
-    def load_weights(self, tensors: dict[str, Tensor], source: str) -> None:
-        """Take the model weights of a checkpoint (a Downpour replica restored from it)."""
-        if self.partitioned:
-            weights = {
-                k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")
-            }
-            parts.load_global_state_dict(self.model, weights)
-        else:
-            load_model_weights(self.model, tensors, source)

@@ -40,18 +40,18 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from scaleout.data import num_batches
 from scaleout.errors import ConfigError, UserError
-from scaleout.metrics import MetricsLog, truncate_metrics
+from scaleout.metrics import truncate_metrics
 from scaleout.progress import console
-from scaleout.ps import ParameterServer
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share, describe_failure
 from scaleout.strategies.downpour import DownpourSection
+from scaleout.strategies.downpour.lanes import Lanes
+from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica
 from scaleout.strategies.model_parallel import ModelParallelSection, check_partitionable
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 
-PUSHES_FILE = "pushes.jsonl"
 CHUNK_STEPS = 20  # most steps handed to a replica at once
 
 
@@ -89,17 +89,14 @@ class Downpour:
         self.steps_lost = self.shard_updates_lost = 0
         self.replicas: list[Replica] = []
         self.alive = [True] * num
-        self.servers: list[list[ParameterServer | None]] = []  # [grid worker][group]
-        self.shard_pids: dict[tuple[int, int, int], int] = {}
-        self.shard_versions: dict[tuple[int, int, int], int] = {}
+        self.lanes = Lanes(job, self.opts, self.run)
         self.phase = -1
         self.step = self.assigned = self.examples = 0
         self.in_flight: dict[int, tuple[list[Any], int]] = {}  # replica -> (futures, steps)
         self.placement: dict[str, list[str]] = {}
         self.weights: Tensors | None = None  # layer-wise: the whole model at the phase's start
-        self.pushes: MetricsLog | None = None
+        self.pushes: Pushes | None = None
         self._plan: Plan | None = None
-        self._window = _Window()
         self._wall_start = time.time()
         self._reported = time.perf_counter()
 
@@ -141,7 +138,7 @@ class Downpour:
             self._restore(resume)
             elapsed = resume.meta["time_s"]
         self._wall_start = time.time() - elapsed
-        self.pushes = MetricsLog(self.run.path / PUSHES_FILE)
+        self.pushes = Pushes(self.run.path / PUSHES_FILE, self._wall_start)
         workers = self.grid.num_workers if self.grid is not None else 1
         self.replica_cpus = cpu_share(self.opts.num_replicas * workers)
         self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
@@ -195,59 +192,22 @@ class Downpour:
     def _report_placement(self) -> None:
         addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         nodes = [addresses.get(r.node(), "?") for r in self.replicas]
-        shard_nodes = [
-            addresses.get(info["node"], "?")
-            for lane in self.servers
-            for server in lane
-            if server is not None
-            for info in server.info()
-        ]
+        shard_nodes = [addresses.get(node, "?") for node in self.lanes.nodes()]
         if len(set(nodes + shard_nodes)) > 1:
             console.print(f"shards on {shard_nodes}; replicas on {nodes}")
         self.placement = {"shards": shard_nodes, "replicas": nodes}
 
     # --- phases: the shards of the parameters in training ----------------------------------
 
-    def _lane_root(self, worker: int, group: int, single: bool) -> Any:  # noqa: ANN401
-        if single:
-            return self.run.shards  # shards/shard_<i>
-        return self.run.shards / f"phase{self.phase}.worker{worker}.group{group}"
-
     def _begin_phase(self, phase: int, fresh: bool) -> None:
         """Start phase `phase`'s shards from replica 0's values; attach every replica."""
-        self._retire_servers()
+        self.lanes.retire()
         self.phase = phase
         assert self._plan is not None
         if self._plan.phase_steps and phase > 0 and fresh:  # for replicas restarted later
             self.weights = self._first_alive().call("state", doing="starting a phase")[0][0]
         initial = self._first_alive().call("begin_phase", phase, fresh, doing="starting a phase")
-        single = len(initial) == 1 and len(initial[0]) == 1
-        opts = self.opts
-        self.servers = []
-        for w, groups in enumerate(initial):
-            lane: list[ParameterServer | None] = []
-            for g, entry in enumerate(groups):
-                if entry is None:
-                    lane.append(None)
-                    continue
-                values, lr = entry
-                lane.append(
-                    ParameterServer.create(
-                        values,
-                        min(opts.num_shards, values.numel()),
-                        self.cfg.model_copy(update={"lr": lr}),
-                        self.job.compress,
-                        self._lane_root(w, g, single),
-                        opts.shard_checkpoint_every,
-                        opts.shard_checkpoint_seconds,
-                        resource=opts.shard_resource,
-                        wait=False,  # start every lane's processes at once
-                    )
-                )
-            self.servers.append(lane)
-        for _, server in self._all_servers():
-            server.wait()
-        self._record_shards()
+        self.lanes.start(phase, initial)
         attach = [
             (r, replica.submit_each("attach", self._attach_args(replica, fresh)))
             for r, replica in enumerate(self.replicas)
@@ -259,7 +219,7 @@ class Downpour:
     def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]:
         opts = self.opts
         return [
-            (self.phase, self.servers[w], opts.n_fetch, opts.n_push, opts.threads, fresh)
+            (self.phase, self.lanes.for_worker(w), opts.n_fetch, opts.n_push, opts.threads, fresh)
             for w in range(replica.size)
         ]
 
@@ -278,50 +238,11 @@ class Downpour:
                     for records in outs:
                         self._log_pushes(records)
 
-    def _retire_servers(self) -> None:
-        for lane in self.servers:
-            for server in lane:
-                if server is not None:
-                    server.kill()
-        self.servers = []
-
-    def _all_servers(self) -> list[tuple[tuple[int, int], ParameterServer]]:
-        return [
-            ((w, g), server)
-            for w, lane in enumerate(self.servers)
-            for g, server in enumerate(lane)
-            if server is not None
-        ]
-
-    def _record_shards(self) -> None:
-        for (w, g), server in self._all_servers():
-            for info in server.info():
-                key = (w, g, info["shard"])
-                self.shard_pids[key], self.shard_versions[key] = info["pid"], info["version"]
-
     def _check_shards(self) -> None:
         """Count shards Ray restarted, and the updates they lost."""
-        for (w, g), server in self._all_servers():
-            for info in server.info():
-                key = (w, g, info["shard"])
-                if info["pid"] != self.shard_pids.get(key, info["pid"]):
-                    lost = max(self.shard_versions[key] - info["version"], 0)
-                    self.shard_updates_lost += lost
-                    self.failures.append(
-                        {
-                            "time_s": round(time.time() - self._wall_start, 3),
-                            "step": self.step,
-                            "shard": info["shard"],
-                            "kind": "shard restarted",
-                            "restored_version": info["restored_version"],
-                            "updates_lost": lost,
-                        }
-                    )
-                    console.print(
-                        f"shard {info['shard']} restarted from its checkpoint at version "
-                        f"{info['restored_version']} ({lost} updates lost)"
-                    )
-                self.shard_pids[key], self.shard_versions[key] = info["pid"], info["version"]
+        restarted = self.lanes.restarts(self.step, self._wall_start)
+        self.failures += restarted
+        self.shard_updates_lost += sum(f["updates_lost"] for f in restarted)
 
     # --- training: chunks to whichever replicas are free -----------------------------------
 
@@ -408,17 +329,14 @@ class Downpour:
         chunk.fields.update(
             {k: v for k, v in out["fields"].items() if k not in ("epoch", "data_wait_s")}
         )
-        self._window.steps += out["steps"]
+        assert self.pushes is not None
+        self.pushes.steps += out["steps"]
         for worker_out in outs:
             self._log_pushes(worker_out["records"])
 
     def _log_pushes(self, records: list[dict[str, Any]]) -> None:
         assert self.pushes is not None
-        for push in records:
-            push["time_s"] = round(push.pop("t") - self._wall_start, 4)
-            push.update(step=self.step, examples=self.examples, lr=self.cfg.lr)
-            self.pushes.log(push)
-            self._window.add(push)
+        self.pushes.log(records, self.step, self.examples, self.cfg.lr)
 
     def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
         kind = "died" if isinstance(error, RayActorError) else "raised"
@@ -459,7 +377,7 @@ class Downpour:
         chunk = Chunk()
         while self.in_flight:
             self._wait_one(chunk)
-        if self.servers:
+        if self.lanes.servers:
             self._finish_phase()
         return chunk
 
@@ -467,8 +385,8 @@ class Downpour:
 
     def metrics(self) -> dict[str, Any]:
         self._check_shards()
-        fields = self._window.fields(self.cfg.batch_size)
-        self._window = _Window()
+        assert self.pushes is not None
+        fields = self.pushes.window(self.cfg.batch_size)
         alive = sum(self.alive)
         fields["replicas_alive"] = alive
         fields["_bar"] = {
@@ -484,8 +402,7 @@ class Downpour:
         return self._first_alive().call("evaluate", doing="evaluating")[0]
 
     def state(self) -> tuple[Tensors, dict[str, Any]]:
-        for _, server in self._all_servers():
-            server.checkpoint()
+        self.lanes.checkpoint()
         tensors, meta = self._first_alive().call("state", doing="checkpointing")[0]
         meta.update(
             positions=self.positions,
@@ -511,37 +428,7 @@ class Downpour:
         for replica in self.replicas:
             replica.kill()
         self.replicas = []
-        self._retire_servers()
+        self.lanes.retire()
         if self.pushes is not None:
             self.pushes.close()
             self.pushes = None
-
-
-class _Window:
-    """Push records and steps between two metrics lines."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.steps = 0
-        self.staleness: list[float] = []
-        self.staleness_max = 0
-        self.bytes_sent = self.bytes_received = 0
-
-    def add(self, push: dict[str, Any]) -> None:
-        if push.get("staleness") is not None:
-            self.staleness.append(push["staleness"])
-            self.staleness_max = max(self.staleness_max, push["staleness_max"])
-        self.bytes_sent += push.get("bytes_sent", 0)
-        self.bytes_received += push.get("bytes_received", 0)
-
-    def fields(self, batch_size: int) -> dict[str, Any]:
-        seconds = max(time.perf_counter() - self.started, 1e-9)
-        updates = self.steps / seconds
-        return {
-            "updates_per_s": updates,
-            "examples_per_s": updates * batch_size,
-            "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else None,
-            "staleness_max": self.staleness_max,
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-        }

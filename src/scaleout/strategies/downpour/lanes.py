@@ -1,0 +1,117 @@
+"""The shards of the phase in training: one `ParameterServer` per (grid worker, parameter
+group), each stepping its group with the group's learning rate.
+
+A model of one worker and one parameter group (the common case) has one set of shards,
+checkpointing into `shards/shard_<i>/` of the run; otherwise each set has a directory of its
+own, `shards/phase<k>.worker<w>.group<g>/`. A shard that finds a checkpoint of its own in its
+directory resumes from it instead of the values it is started from.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from scaleout.progress import console
+from scaleout.ps import ParameterServer
+from scaleout.rundir import RunDir
+from scaleout.strategies.downpour import DownpourSection
+from scaleout.train.job import Job
+
+Initial = list[list[tuple[torch.Tensor, float] | None]]  # [worker][group]: values, lr
+
+
+class Lanes:
+    def __init__(self, job: Job, opts: DownpourSection, run: RunDir) -> None:
+        self.job, self.opts, self.run = job, opts, run
+        self.servers: list[list[ParameterServer | None]] = []  # [grid worker][group]
+        self.pids: dict[tuple[int, int, int], int] = {}
+        self.versions: dict[tuple[int, int, int], int] = {}
+
+    def start(self, phase: int, initial: Initial) -> None:
+        """Start the shards of `phase` from `initial` (replica 0's values), all at once."""
+        self.retire()
+        opts = self.opts
+        single = len(initial) == 1 and len(initial[0]) == 1
+        for w, groups in enumerate(initial):
+            lane: list[ParameterServer | None] = []
+            for g, entry in enumerate(groups):
+                if entry is None:  # rank 0 of the grid keeps this group
+                    lane.append(None)
+                    continue
+                values, lr = entry
+                root = (
+                    self.run.shards
+                    if single
+                    else self.run.shards / f"phase{phase}.worker{w}.group{g}"
+                )
+                lane.append(
+                    ParameterServer.create(
+                        values,
+                        min(opts.num_shards, values.numel()),
+                        self.job.train.model_copy(update={"lr": lr}),
+                        self.job.compress,
+                        root,
+                        opts.shard_checkpoint_every,
+                        opts.shard_checkpoint_seconds,
+                        resource=opts.shard_resource,
+                        wait=False,  # start every lane's processes at once
+                    )
+                )
+            self.servers.append(lane)
+        for _, server in self.all():
+            server.wait()
+        for (w, g), server in self.all():
+            for info in server.info():
+                key = (w, g, info["shard"])
+                self.pids[key], self.versions[key] = info["pid"], info["version"]
+
+    def for_worker(self, worker: int) -> list[ParameterServer | None]:
+        return self.servers[worker]
+
+    def all(self) -> list[tuple[tuple[int, int], ParameterServer]]:
+        return [
+            ((w, g), server)
+            for w, lane in enumerate(self.servers)
+            for g, server in enumerate(lane)
+            if server is not None
+        ]
+
+    def nodes(self) -> list[str]:
+        return [info["node"] for _, server in self.all() for info in server.info()]
+
+    def checkpoint(self) -> None:
+        for _, server in self.all():
+            server.checkpoint()
+
+    def restarts(self, step: int, wall_start: float) -> list[dict[str, Any]]:
+        """Shards Ray restarted since the last look, and the updates each lost."""
+        failures = []
+        for (w, g), server in self.all():
+            for info in server.info():
+                key = (w, g, info["shard"])
+                if info["pid"] != self.pids.get(key, info["pid"]):
+                    lost = max(self.versions[key] - info["version"], 0)
+                    failures.append(
+                        {
+                            "time_s": round(time.time() - wall_start, 3),
+                            "step": step,
+                            "shard": info["shard"],
+                            "kind": "shard restarted",
+                            "restored_version": info["restored_version"],
+                            "updates_lost": lost,
+                        }
+                    )
+                    console.print(
+                        f"shard {info['shard']} restarted from its checkpoint at version "
+                        f"{info['restored_version']} ({lost} updates lost)"
+                    )
+                self.pids[key], self.versions[key] = info["pid"], info["version"]
+        return failures
+
+    def retire(self) -> None:
+        for _, server in self.all():
+            server.kill()
+        self.servers = []

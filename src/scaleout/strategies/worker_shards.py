@@ -1,0 +1,203 @@
+"""A worker on the parameter server: its phase's parameters live on Downpour's shards.
+
+The strategy asks replica 0 for a phase's starting values (`begin_phase`), starts the
+shards from them, and attaches every replica's workers (`attach`): from then on a
+`ReplicaClient` fetches every `n_fetch` steps and pushes the accumulated gradient every
+`n_push` steps, and the worker has no optimizer of its own. On a model-parallel grid, each
+worker keeps its own part on shards of its own; replicated parameters (alpha) are kept by
+rank 0 and broadcast after each fetch, their gradients summed over the grid before a push.
+At a phase's end every replica pushes what is left (`flush_pushes`), then adopts the final
+values (`adopt_final`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from scaleout.parallel import parts
+
+if TYPE_CHECKING:
+    from scaleout.ps import ParameterServer, ReplicaClient
+    from scaleout.strategies.worker import Role
+    from scaleout.train.job import Job
+    from scaleout.train.objective import Objective
+
+
+class OnShards:
+    """The parameter-server side of a `Worker` (a mixin: it reads the worker's model, groups,
+    phase and data position)."""
+
+    job: Job
+    role: Role
+    cfg: Any
+    model: nn.Module
+    objective: Objective
+    optimizer: torch.optim.Optimizer | None
+    client: ReplicaClient | None
+    groups: list[dict[str, Any]]
+    partitioned: bool
+    layerwise: bool
+    phase: int
+    step: int
+    epoch: int
+    batch: int
+    _batches: Any
+    _push_window: list[float]
+
+    if TYPE_CHECKING:  # defined by Worker and its other part
+
+        def _select_phase(self, phase: int) -> None: ...
+        def _peek_batch(self) -> tuple[Tensor, ...]: ...
+        def _diverged(self, loss: float) -> None: ...
+
+    @contextmanager
+    def _shard_values(self) -> Iterator[None]:
+        """Under Downpour: the shards' current parameters for the block, this replica's own
+        afterwards (its training goes on from where it was)."""
+        if self.client is None:
+            yield
+            return
+        params = [p for group in self.groups for p in group["params"]]
+        saved = [p.detach().clone() for p in params]
+        self.client.fetch(update_versions=False)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, value in zip(params, saved, strict=True):
+                    p.copy_(value)
+
+    def _replicated(self, param: nn.Parameter) -> bool:
+        return parts.is_replicated(self.model, param)
+
+    def _lane_params(self) -> list[list[tuple[str, nn.Parameter]]]:
+        """This worker's parameters of the phase, one list per parameter group; on a grid,
+        replicated parameters (alpha) are kept on shards by rank 0 only."""
+        lanes = []
+        for g, group in enumerate(self.groups):
+            params = [
+                (f"group{g}.{i}", p)
+                for i, p in enumerate(group["params"])
+                if not (self.partitioned and self.role.rank > 0 and self._replicated(p))
+            ]
+            lanes.append(params)
+        return lanes
+
+    def begin_phase(self, phase: int, fresh: bool = True) -> list[tuple[Tensor, float] | None]:
+        """Make `phase` current (from its first minibatch when `fresh`; a layer-wise phase
+        then fits its start, e.g. alpha, on that minibatch); return what its shards start
+        from: per parameter group, this worker's values (P_g,) and the group's learning
+        rate, or None where rank 0 of the grid keeps the group."""
+        if fresh:
+            self.epoch, self.batch, self._batches = 0, 0, None
+        self._select_phase(phase)
+        if fresh and self.layerwise:
+            self.objective.begin_phase(self.model, self._peek_batch(), phase)
+        initial: list[tuple[Tensor, float] | None] = []
+        for group, params in zip(self.groups, self._lane_params(), strict=True):
+            if not params:
+                initial.append(None)
+                continue
+            values = torch.cat([p.detach().reshape(-1).cpu() for _, p in params])
+            initial.append((values, float(group.get("lr", self.cfg.lr))))
+        return initial
+
+    def attach(
+        self,
+        phase: int,
+        servers: list[ParameterServer | None],
+        n_fetch: int,
+        n_push: int,
+        threads: bool = False,
+        fresh: bool = True,
+    ) -> None:
+        """Train phase `phase` through `servers` (one per parameter group, None where
+        another worker of the grid keeps it)."""
+        if self.phase != phase or fresh:
+            if fresh:
+                self.epoch, self.batch, self._batches = 0, 0, None
+            self._select_phase(phase)
+        self.optimizer = None
+        lanes = [
+            (params, server)
+            for params, server in zip(self._lane_params(), servers, strict=True)
+            if params and server is not None
+        ]
+        after_pull = before_push = after_push = None
+        if self.partitioned:
+            model = self.model
+            replicated = [p for g in self.groups for p in g["params"] if self._replicated(p)]
+            lane_ids = {id(p) for params, _ in lanes for _, p in params}
+            others = [p for g in self.groups for p in g["params"] if id(p) not in lane_ids]
+
+            def after_pull() -> None:
+                parts.broadcast_replicated(model, replicated)
+
+            def before_push() -> None:
+                parts.sync_grads(model)
+
+            def after_push() -> None:
+                for p in others:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+        from scaleout.ps import ReplicaClient  # imports Ray: only Downpour's workers need it
+
+        self.client = ReplicaClient(
+            lanes, n_fetch, n_push, threads, after_pull, before_push, after_push
+        )
+
+    def _after_backward(self, loss: Tensor, compute_s: float) -> None:
+        value = loss.item()
+        if not math.isfinite(value):  # never push a diverged gradient to the shards
+            self._diverged(value)
+        window = self._push_window
+        window[0] += value
+        window[1] += 1
+        window[2] += compute_s
+        assert self.client is not None
+        if (self.client.steps + 1) % self.client.n_push == 0:
+            self.client.after_backward(**self._push_info())
+        else:
+            self.client.after_backward()
+
+    def _push_info(self) -> dict[str, Any]:
+        """What a push record says of this worker: the mean loss and compute seconds of the
+        steps since the previous push."""
+        loss_sum, steps, compute_s = self._push_window
+        self._push_window = [0.0, 0, 0.0]
+        info: dict[str, Any] = {
+            "replica": self.role.replica,
+            "replica_step": self.step + 1,
+            "loss": loss_sum / steps if steps else None,
+            "compute_s": round(compute_s, 6),
+        }
+        if self.partitioned:
+            info["worker"] = self.role.rank
+        return info
+
+    def take_records(self) -> list[dict[str, Any]]:
+        return self.client.take_records() if self.client is not None else []
+
+    def flush_pushes(self) -> list[dict[str, Any]]:
+        """Push what is left and wait until the shards applied it; the last push records."""
+        if self.client is None:
+            return []
+        return self.client.flush(pull=False, **self._push_info())
+
+    def adopt_final(self) -> dict[str, Any]:
+        """Adopt the shards' final values and leave them (after every replica flushed);
+        return the client's statistics."""
+        if self.client is None:
+            return {}
+        self.client.fetch()
+        stats = {**self.client.stats, "staleness": list(self.client.staleness)}
+        self.client.close()
+        self.client = None
+        return stats

@@ -1,0 +1,60 @@
+"""The examples as a user runs them: the Fashion-MNIST CNN with BatchNorm through
+`scaleout.fit` with single, downpour (2 replicas, 2 shards) and sync (2 workers), and through
+TOML factory keys; a user's own Ray-actor loop on the parameter server. One epoch each (the
+full runs, 3 epochs, reach 89-90%; see the README)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import scaleout
+from scaleout.cli import main
+from scaleout.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from examples import fashion_cnn  # noqa: E402
+
+SHORT = ["train.epochs=1", "train.eval_every=469", "train.checkpoint_every=100000"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["single", "downpour", "sync"])
+def test_fashion_cnn_reaches_85_percent_in_one_epoch(tmp_path, monkeypatch, strategy):
+    monkeypatch.chdir(REPO)  # Ray's workers import `examples` from the working directory
+    result = scaleout.fit(
+        fashion_cnn.CONFIG,
+        model=fashion_cnn.build_model,
+        data=fashion_cnn.build_data,
+        overrides=[*SHORT, f'train.strategy="{strategy}"', f'run.out_dir="{tmp_path}"'],
+    )
+    assert result.final_test_accuracy >= 0.85, result.summary
+    assert result.steps == 938  # one pass over 60,000 images in batches of 64
+
+
+@pytest.mark.slow
+def test_fashion_cnn_from_toml_factories(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    overrides = [*SHORT, 'train.strategy="downpour"', f'run.out_dir="{tmp_path}"']
+    argv = ["train", "examples/fashion_cnn.toml"] + [a for o in overrides for a in ("--set", o)]
+    assert main(argv) == 0
+    evals = [r for r in read_metrics(tmp_path / "fashion_cnn_toml" / "metrics.jsonl")]
+    assert evals[-1]["test_accuracy"] >= 0.85
+
+
+def test_own_loop_on_the_parameter_server(tmp_path):
+    """examples/own_loop_downpour.py: the user's loop in Ray actors, scaleout's shards and
+    client; it trains (the script checks its own accuracy and prints it)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "own_loop_downpour.py"), "--steps", "150"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = float(proc.stdout.split("test accuracy")[-1].split("%")[0])
+    assert accuracy >= 85.0, proc.stdout
