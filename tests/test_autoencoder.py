@@ -15,9 +15,9 @@ from scaleout.data import natural_image_patches
 from scaleout.data.faces import face_dataset
 from scaleout.info import describe_model
 from scaleout.metrics import read_metrics
-from scaleout.nn import MODELS, SparseAutoencoderNetwork, SparseAutoencoderStack, build_model, local
+from scaleout.nn import MODELS, SparseAutoencoderNetwork, SparseAutoencoderStack, build_model
 from scaleout.nn.autoencoder import tied_autoencode, write_filter_image
-from scaleout.nn.local import LocalGeometry
+from scaleout.nn.local import LocalGeometry, kernels
 from scaleout.nn.selectivity import best_threshold_accuracy
 from scaleout.reports import selectivity_report
 from scaleout.rundir import RunDir
@@ -92,7 +92,7 @@ def make_stack(c, size, field, step, block, pool, pad, lam=0.1):
 @pytest.fixture(params=[False, True], ids=["via-temporary", "in-place"])
 def transpose_path(request, monkeypatch):
     """W^T y accumulated in place or through a temporary, whatever the field size."""
-    monkeypatch.setattr(local, "DIRECT_ADD_MIN_ROWS", 0 if request.param else 1 << 30)
+    monkeypatch.setattr(kernels, "DIRECT_ADD_MIN_ROWS", 0 if request.param else 1 << 30)
 
 
 @pytest.mark.parametrize("spec", GEOMETRIES)

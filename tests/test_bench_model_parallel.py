@@ -19,7 +19,7 @@ from scaleout.bench.model_parallel import (
     results,
 )
 from scaleout.comm import free_port
-from scaleout.parallel.model_parallel import PartitionedAutoencoder
+from scaleout.parallel import bytes_per_step, parallelize, parts
 
 SIZE = 24  # 4x4 first-stack positions: the smallest input the suite's layout takes
 BATCH = 3
@@ -43,23 +43,26 @@ def _joint_worker(rank: int, port: int) -> None:
         reference = network(SIZE)
         expected = reference_joint(reference, x)
         expected.backward()
-        part = PartitionedAutoencoder(network(SIZE), (1, 2), rank)
+        part = parallelize(network(SIZE), (1, 2), rank)
         meter = ExchangeMeter()
         for composed in (False, True):
             part.zero_grad()
             with meter.metering():
                 mine = joint_objective(part.stacks, x, composed)
                 mine.backward()
-                part.sync_grads()
+                parts.sync_grads(part)
             total = mine.detach().clone()
             dist.all_reduce(total)  # the workers' parts add up to the whole objective
             torch.testing.assert_close(total, expected.detach(), rtol=1e-5, atol=0)
             for stack, ref in zip(part.stacks, reference.stacks, strict=True):
-                want = ref.filter.weight.grad[stack.units.slices]
+                want = ref.filter.weight.grad[stack.filter.units.slices]
                 scale = want.abs().max().item()
-                torch.testing.assert_close(stack.weight.grad, want, rtol=1e-4, atol=1e-5 * scale)
+                torch.testing.assert_close(
+                    stack.filter.weight.grad, want, rtol=1e-4, atol=1e-5 * scale
+                )
                 torch.testing.assert_close(stack.alpha.grad, ref.alpha.grad, rtol=1e-4, atol=0)
-            assert all(s.weight.grad.abs().sum() > 0 for s in part.stacks)  # gradients reach all
+            # gradients reach all
+            assert all(s.filter.weight.grad.abs().sum() > 0 for s in part.stacks)
         assert meter.bytes_sent > 0 and meter.exchange_s >= meter.transfer_s > 0
         # the greedy step of stack 3: the measured payload is what bytes_per_step counts
         meter = ExchangeMeter()
@@ -67,7 +70,7 @@ def _joint_worker(rank: int, port: int) -> None:
             part.zero_grad()
             part.train_only(2)
             part.stack_objective(x, 2).total.backward()
-        assert meter.bytes_sent == part.bytes_per_step(2, BATCH)
+        assert meter.bytes_sent == bytes_per_step(part, 2, BATCH)
     finally:
         dist.destroy_process_group()
 

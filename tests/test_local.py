@@ -11,13 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scaleout.nn import local
 from scaleout.nn.local import (
     L2Pool2d,
     LocalContrastNorm2d,
     LocalGeometry,
     LocallyConnected2d,
     from_hwcn,
+    functional,
+    kernels,
     local_linear,
     local_linear_t,
     local_linear_unfold,
@@ -165,12 +166,12 @@ def layer_for(g, bias=True, dtype=torch.float32):
 @contextmanager
 def transpose_path(direct: bool) -> Iterator[None]:
     """W^T y accumulated in place (`direct`) or through a temporary, whatever the field size."""
-    saved = local.DIRECT_ADD_MIN_ROWS
-    local.DIRECT_ADD_MIN_ROWS = 0 if direct else 1 << 30
+    saved = kernels.DIRECT_ADD_MIN_ROWS
+    kernels.DIRECT_ADD_MIN_ROWS = 0 if direct else 1 << 30
     try:
         yield
     finally:
-        local.DIRECT_ADD_MIN_ROWS = saved
+        kernels.DIRECT_ADD_MIN_ROWS = saved
 
 
 # --- LocallyConnected2d ----------------------------------------------------------------------
@@ -319,7 +320,8 @@ def test_layout_is_kept_through_the_stack_and_meta_works():
 
 
 def test_normalize_rows_values_gradients_and_chunking(monkeypatch):
-    monkeypatch.setattr(local, "NORMALIZE_CHUNK_VALUES", 7)  # chunks that split the rows unevenly
+    # chunks that split the rows unevenly
+    monkeypatch.setattr(functional, "NORMALIZE_CHUNK_VALUES", 7)
     torch.manual_seed(0)
     w = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(normalize_rows(w), w / w.norm(dim=-1, keepdim=True))

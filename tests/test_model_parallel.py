@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from scaleout.comm import free_port
 from scaleout.comm.windows import Window
 from scaleout.compress import get
-from scaleout.nn.autoencoder import SparseAutoencoderNetwork
-from scaleout.parallel.model_parallel import PartitionedAutoencoder, even_tiling
+from scaleout.nn.autoencoder import ObjectiveTerms, SparseAutoencoderNetwork
+from scaleout.parallel import bytes_per_step, even_tiling, parallelize, parts
 
 WORLD = 4
 GRIDS = [(1, 2), (2, 1), (2, 2), (3, 1)]
@@ -61,6 +61,13 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
         FAILURES.append(f"rank {dist.get_rank()}: {error}")
 
 
+def total_terms(part: SparseAutoencoderNetwork, terms: ObjectiveTerms) -> ObjectiveTerms:
+    """The objective of the whole replica: the workers' parts summed (an all-reduce)."""
+    values = torch.stack([terms.reconstruction.detach(), terms.sparsity.detach()])
+    values = parts.reduce_parts(part, values)
+    return ObjectiveTerms(values[0], values[1])
+
+
 def report_failures() -> None:
     """Raise on every worker with the mismatches of all workers."""
     gathered: list[list[str] | None] = [None] * dist.get_world_size()
@@ -72,14 +79,16 @@ def report_failures() -> None:
 def check_grid(grid: tuple[int, int], group: dist.ProcessGroup | None) -> None:
     x = data()
     reference = build_network()
-    part = PartitionedAutoencoder(build_network(), grid, group=group)
-    rank = part.rank
+    part = parallelize(build_network(), grid, group=group)
+    rank = dist.get_rank(group)
     for count in (1, 2):
         with torch.no_grad():
             expected = reference.features(x, count)
             actual = part.features(x, count)
         close(
-            actual, crop(expected, part.stacks[count - 1].feature_windows[rank]), f"{grid} f{count}"
+            actual,
+            crop(expected, part.stacks[count - 1].lcn.output_windows[rank]),
+            f"{grid} f{count}",
         )
     for index in range(2):
         reference.zero_grad()
@@ -90,13 +99,13 @@ def check_grid(grid: tuple[int, int], group: dist.ProcessGroup | None) -> None:
         terms.total.backward()
         mine = part.stack_objective(x, index)
         mine.total.backward()
-        part.sync_grads()
-        total = part.total_terms(mine)
+        parts.sync_grads(part)
+        total = total_terms(part, mine)
         close(total.reconstruction, terms.reconstruction.detach(), f"{grid} stack {index} recon")
         close(total.sparsity, terms.sparsity.detach(), f"{grid} stack {index} sparsity")
         stack, mine_stack = reference.stacks[index], part.stacks[index]
-        expected_grad = stack.filter.weight.grad[mine_stack.units.slices]
-        close(mine_stack.weight.grad, expected_grad, f"{grid} stack {index} dW")
+        expected_grad = stack.filter.weight.grad[mine_stack.filter.units.slices]
+        close(mine_stack.filter.weight.grad, expected_grad, f"{grid} stack {index} dW")
         close(mine_stack.alpha.grad, stack.alpha.grad, f"{grid} stack {index} dalpha")
     train_steps(grid, reference, part, x)
 
@@ -104,7 +113,7 @@ def check_grid(grid: tuple[int, int], group: dist.ProcessGroup | None) -> None:
 def train_steps(
     grid: tuple[int, int],
     reference: SparseAutoencoderNetwork,
-    part: PartitionedAutoencoder,
+    part: SparseAutoencoderNetwork,
     x: torch.Tensor,
     num_steps: int = 3,
 ) -> None:
@@ -119,7 +128,7 @@ def train_steps(
     reference.train_only(index)
     part.train_only(index)
     lr = 0.05
-    initial = part.stacks[index].weight.detach().clone()
+    initial = part.stacks[index].filter.weight.detach().clone()
     optimizers = [
         torch.optim.SGD(net.stack_parameter_groups(index, lr, *extra), lr=lr, momentum=0.9)
         for net, extra in ((reference, ()), (part, (reference.alpha_lr_scale,)))
@@ -130,18 +139,20 @@ def train_steps(
             optimizer.zero_grad()
         reference.stack_objective(batch, index).total.backward()
         part.stack_objective(batch, index).total.backward()
-        part.sync_grads()
+        parts.sync_grads(part)
         for optimizer in optimizers:
             optimizer.step()
     mine, stack = part.stacks[index], reference.stacks[index]
     close(
-        mine.weight.detach(), stack.filter.weight.detach()[mine.units.slices], f"{grid} trained W"
+        mine.filter.weight.detach(),
+        stack.filter.weight.detach()[mine.filter.units.slices],
+        f"{grid} trained W",
     )
     close(mine.alpha.detach(), stack.alpha.detach(), f"{grid} trained alpha")
-    if not (mine.weight.detach() - initial).abs().max() > 1e-3:  # the steps did train
+    if not (mine.filter.weight.detach() - initial).abs().max() > 1e-3:  # the steps did train
         FAILURES.append(f"rank {dist.get_rank()}: {grid} weights did not move")
     # the whole replica's weights, assembled on every worker, are the single network's
-    state = part.global_state_dict()
+    state = parts.global_state_dict(part)
     expected = {k: v for k, v in reference.state_dict().items() if k in state}
     if set(state) != set(expected) or len(state) != 4:
         FAILURES.append(f"rank {dist.get_rank()}: {grid} state names {sorted(state)}")
@@ -171,7 +182,7 @@ def test_partitioned_network_equals_single_process_on_processes() -> None:
 def test_one_worker_grid_is_the_network_itself() -> None:
     x = data()
     reference = build_network()
-    part = PartitionedAutoencoder(build_network(), (1, 1), rank=0)
+    part = parallelize(build_network(), (1, 1), rank=0)
     with torch.no_grad():
         torch.testing.assert_close(part.features(x), reference.features(x))
     terms = part.stack_objective(x, 1)
@@ -181,17 +192,17 @@ def test_one_worker_grid_is_the_network_itself() -> None:
 
 def test_weights_are_slices_of_the_global_network() -> None:
     network = build_network()
-    part = PartitionedAutoencoder(network, (2, 2), rank=3)
-    stack = part.stacks[0]
+    part = parallelize(build_network(), (2, 2), rank=3)
+    stack = part.stacks[0].filter
     assert torch.equal(stack.weight, network.stacks[0].filter.weight[stack.units.slices])
     assert stack.weight.numel() < network.stacks[0].filter.weight.numel()
     # loading another network's state takes its slices
     other = SparseAutoencoderNetwork(**NETWORK_OPTIONS)
-    part.load_global_state_dict(other.state_dict())
+    parts.load_global_state_dict(part, other.state_dict())
     assert torch.equal(stack.weight, other.stacks[0].filter.weight[stack.units.slices])
     assert torch.equal(part.stacks[1].alpha, other.stacks[1].alpha)
     with pytest.raises(ValueError, match="same model"):
-        part.load_global_state_dict({"stacks.0.filter.weight": torch.zeros(1)})
+        parts.load_global_state_dict(part, {"stacks.0.filter.weight": torch.zeros(1)})
 
 
 def test_even_tiling_and_grid_errors() -> None:
@@ -200,34 +211,34 @@ def test_even_tiling_and_grid_errors() -> None:
         range(3, 5), range(2, 4)
     )
     with pytest.raises(ValueError, match="grid"):
-        PartitionedAutoencoder(build_network(), (0, 2), rank=0)
+        parallelize(build_network(), (0, 2), rank=0)
     with pytest.raises(ValueError, match="at most"):
-        PartitionedAutoencoder(build_network(), (9, 1), rank=0)
+        parallelize(build_network(), (9, 1), rank=0)
 
 
 def test_bytes_per_step_count_every_exchange() -> None:
-    network = build_network()
     batch = 5
-    assert PartitionedAutoencoder(network, (1, 1), rank=0).bytes_per_step(1, batch) == 0
-    parts = [PartitionedAutoencoder(network, (2, 2), rank=r) for r in range(4)]
-    plain = [p.bytes_per_step(1, batch) for p in parts]
+    assert bytes_per_step(parallelize(build_network(), (1, 1), rank=0), 1, batch) == 0
+    workers = [parallelize(build_network(), (2, 2), rank=r) for r in range(4)]
+    plain = [bytes_per_step(p, 1, batch) for p in workers]
     assert all(b > 0 for b in plain)
     # by hand for rank 0: stack 1 forward (pool, LCN; the data is not exchanged), stack 2's
     # filter input, then its reconstruction and pooling exchanges forward and backward
-    first, second = parts[0].stacks
+    first, second = workers[0].stacks
+    assert first.filter.to_input is None
     by_hand = sum(
         a.bytes_sent(batch, c) + (a.bytes_sent(batch, c, backward=True) if back else 0)
         for a, c, back in [
-            (first.to_pool, 2, False),
-            (first.to_lcn, 2, False),
-            (second.to_filter, 2, False),
-            (second.to_owners, 2, True),
-            (second.to_pool, 2, True),
+            (first.pool.to_input, 2, False),
+            (first.lcn.to_input, 2, False),
+            (second.filter.to_input, 2, False),
+            (second.filter.to_owners, 2, True),
+            (second.pool.to_input, 2, True),
         ]
     )
     assert plain[0] == by_hand
-    eight_bit = PartitionedAutoencoder(network, (2, 2), rank=0, codec=get("dynamic8"))
-    assert eight_bit.bytes_per_step(1, batch) < 0.3 * plain[0]
+    eight_bit = parallelize(build_network(), (2, 2), rank=0, codec=get("dynamic8"))
+    assert bytes_per_step(eight_bit, 1, batch) < 0.3 * plain[0]
 
 
 def test_partitioned_network_on_ray_actors(ray_session) -> None:
@@ -243,14 +254,19 @@ def test_partitioned_network_on_ray_actors(ray_session) -> None:
             torch.set_num_threads(1)
 
         def objective(self, index: int) -> tuple[list[float], torch.Tensor, torch.Tensor, Window]:
-            part = PartitionedAutoencoder(build_network(), (1, 2))
+            part = parallelize(build_network(), (1, 2))
             part.train_only(index)
             terms = part.stack_objective(data(), index)
             terms.total.backward()
-            part.sync_grads()
-            total = part.total_terms(terms)
+            parts.sync_grads(part)
+            total = total_terms(part, terms)
             stack = part.stacks[index]
-            return [total.total.item()], stack.weight.grad, stack.alpha.grad, stack.units
+            return (
+                [total.total.item()],
+                stack.filter.weight.grad,
+                stack.alpha.grad,
+                stack.filter.units,
+            )
 
     cloudpickle.register_pickle_by_value(__import__(__name__))
     group = ProcessGroup.create(Member, 2, num_cpus=0.5)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.comm import destroy_distributed, join_group
 
 SIZES = [10_000, 100_000, 1_000_000, 4_000_000, 16_000_000, 64_000_000]
 REPS = int(os.environ.get("SCALEOUT_BENCH_CODECS_REPS", 20))
@@ -103,7 +104,7 @@ def _exchange(
 ) -> None:
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2)
+    join_group(rank, 2, master, port, backend="gloo")
     ack = torch.zeros(1, dtype=torch.uint8)
     times: dict[str, dict[int, list[float]]] = {mode: {} for mode in MODES}
     try:
@@ -134,7 +135,7 @@ def _exchange(
         if rank == 0:
             out.write_text(json.dumps(times))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 # --- the driver ---------------------------------------------------------------------------

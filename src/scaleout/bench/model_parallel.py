@@ -3,10 +3,10 @@
 (1) Scaling (the paper's section 5.1). What is timed is one update of *all* layers, as in
 full joint training: a forward pass through every stack with autograd on, the objective
 (COTS HPC eq. 1) of every stack on its own input, their sum, one backward pass from the top
-stack to the data (through every exchange), `sync_grads()` and an SGD-momentum step of every
-parameter. The library trains greedily (`stack_objective`: the stacks below under no_grad)
-and has no joint update, so it is built here (`joint_objective`) in two ways, both held to
-the single-process network's gradients by the tests:
+stack to the data (through every exchange), `scaleout.parallel.parts.sync_grads` and an
+SGD-momentum step of every parameter. The library trains greedily (`stack_objective`: the
+stacks below under no_grad) and has no joint update, so it is built here (`joint_objective`)
+in two ways, both held to the single-process network's gradients by the tests:
 
 - one pass per stack (each stack's `objective_and_features`, the main rows): the codes of
   the fused `tied_autoencode` give the sparsity term and the features for the next stack,
@@ -92,8 +92,8 @@ from scaleout.bench.model_parallel_update import (
 from scaleout.comm import free_port
 from scaleout.compress import get
 from scaleout.data import make_loader, natural_image_patches
-from scaleout.nn.autoencoder import SparseAutoencoderNetwork
-from scaleout.parallel.model_parallel import PartitionedAutoencoder
+from scaleout.nn.autoencoder import ObjectiveTerms, SparseAutoencoderNetwork
+from scaleout.parallel import bytes_per_step, is_partitioned, parallelize, parts
 
 __all__ = ["ExchangeMeter", "Settings", "Updater", "joint_objective", "network", "plot", "results"]
 
@@ -161,7 +161,7 @@ def setups(size: int, rank: int, groups: dict[int, Any]) -> list[Setup]:
         def build() -> Updater:
             codec_ = None if codec is None else get(codec)
             world = grid[0] * grid[1]
-            model = PartitionedAutoencoder(network(size), grid, rank, groups[world], codec=codec_)
+            model = parallelize(network(size), grid, rank, groups[world], codec=codec_)
             return Updater(model, TIMING_LR)
 
         return once((grid, codec), build)
@@ -219,7 +219,7 @@ def time_updates(size: int, settings: Settings, rank: int, groups: dict[int, Any
 
 
 def greedy_train(
-    model: SparseAutoencoderNetwork | PartitionedAutoencoder,
+    model: SparseAutoencoderNetwork,
     data: Any,  # noqa: ANN401 - an ArrayDataset of patches
     steps_per_stack: int,
     seed: int,
@@ -227,7 +227,7 @@ def greedy_train(
 ) -> dict[str, list[float]]:
     """Greedy training as `scaleout.optim.greedy` does it; returns the objective of every
     step and, per stack, the bytes measured in its last step and `bytes_per_step`."""
-    partitioned = isinstance(model, PartitionedAutoencoder)
+    partitioned = is_partitioned(model)
     curve, measured, predicted = [], [], []
     for index in range(model.num_stacks):
         model.train_only(index)
@@ -241,13 +241,20 @@ def greedy_train(
             optimizer.zero_grad(set_to_none=True)
             terms.total.backward()
             if partitioned:
-                model.sync_grads()
-                terms = model.total_terms(terms)
+                parts.sync_grads(model)
+                terms = _total(model, terms)
             optimizer.step()
             curve.append(terms.total.item())
         measured.append(meter.bytes_sent)
-        predicted.append(model.bytes_per_step(index, TRAIN_BATCH) if partitioned else 0)
+        predicted.append(bytes_per_step(model, index, TRAIN_BATCH) if partitioned else 0)
     return {"curve": curve, "bytes_measured": measured, "bytes_per_step": predicted}
+
+
+def _total(model: SparseAutoencoderNetwork, terms: ObjectiveTerms) -> ObjectiveTerms:
+    """The whole replica's terms from a grid worker's parts (an all-reduce)."""
+    values = torch.stack([terms.reconstruction.detach(), terms.sparsity.detach()])
+    values = parts.reduce_parts(model, values)
+    return ObjectiveTerms(values[0], values[1])
 
 
 def _batches(data: Any, num_steps: int, seed: int) -> Iterator[Tensor]:  # noqa: ANN401
@@ -262,14 +269,12 @@ def _batches(data: Any, num_steps: int, seed: int) -> Iterator[Tensor]:  # noqa:
 
 
 @torch.no_grad()
-def held_out_objectives(
-    model: SparseAutoencoderNetwork | PartitionedAutoencoder, x: Tensor
-) -> list[float]:
+def held_out_objectives(model: SparseAutoencoderNetwork, x: Tensor) -> list[float]:
     values = []
     for index in range(model.num_stacks):
         terms = model.stack_objective(x, index)
-        if isinstance(model, PartitionedAutoencoder):
-            terms = model.total_terms(terms)
+        if is_partitioned(model):
+            terms = _total(model, terms)
         values.append(terms.total.item())
     return values
 
@@ -289,7 +294,7 @@ def train_runs(settings: Settings, rank: int, groups: dict[int, Any]) -> dict:
             run["objective"] = held_out_objectives(single, held_out)
             results[f"single, data order {rank}"] = run
             for codec in ("fp32", "dynamic8"):
-                part = PartitionedAutoencoder(
+                part = parallelize(
                     network(TRAIN_SIZE),
                     (1, 2),
                     rank,

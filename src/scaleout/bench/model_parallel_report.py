@@ -185,7 +185,7 @@ def training_notes(runs: dict[str, dict], steps: int) -> list[str]:
         run = runs[name]
         notes.append(
             f"{name}: bytes measured in the last greedy step of each stack "
-            f"{run['bytes_measured']}, PartitionedAutoencoder.bytes_per_step "
+            f"{run['bytes_measured']}, scaleout.parallel.bytes_per_step "
             f"{run['bytes_per_step']}"
         )
     return notes

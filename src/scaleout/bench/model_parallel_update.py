@@ -14,10 +14,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from scaleout.comm import darray
-from scaleout.nn.autoencoder import (
-    SparseAutoencoderNetwork,
-)
-from scaleout.parallel.model_parallel import PartitionedAutoencoder
+from scaleout.nn.autoencoder import SparseAutoencoderNetwork
+from scaleout.parallel import is_partitioned, parts
 
 LAYOUT = dict(  # configs/autoencoder_small.toml's three stacks
     in_channels=1,
@@ -42,8 +40,9 @@ def network(size: int, seed: int = 0) -> SparseAutoencoderNetwork:
 
 def joint_objective(stacks: Sequence[nn.Module], x: Tensor, composed: bool = False) -> Tensor:
     """Sum of every stack's objective on its own input, differentiable through all stacks
-    (the paper's update of all layers). `stacks`: a `SparseAutoencoderNetwork`'s or a
-    `PartitionedAutoencoder`'s (x then the whole minibatch, on every worker). `composed`:
+    (the paper's update of all layers). `stacks`: a `SparseAutoencoderNetwork`'s, plain or
+    partitioned by `scaleout.parallel.parallelize` (x then the whole minibatch, on every
+    worker). `composed`:
     from each stack's `objective` and `forward` (the public API: W x twice per stack, the
     second through the differentiable `encode`), instead of `objective_and_features`
     (W x once per stack)."""
@@ -65,7 +64,7 @@ class Updater:
     """One joint update of a plain or partitioned network: zero, objective, backward, sync,
     SGD momentum (filters at lr, alpha at lr * alpha_lr_scale, as greedy training)."""
 
-    def __init__(self, model: SparseAutoencoderNetwork | PartitionedAutoencoder, lr: float) -> None:
+    def __init__(self, model: SparseAutoencoderNetwork, lr: float) -> None:
         self.model = model
         groups = [g for k in range(model.num_stacks) for g in model.stack_parameter_groups(k, lr)]
         self.optimizer = torch.optim.SGD(groups, lr=lr, momentum=MOMENTUM)
@@ -73,8 +72,8 @@ class Updater:
     def step(self, x: Tensor, composed: bool = False) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         joint_objective(self.model.stacks, x, composed).backward()
-        if isinstance(self.model, PartitionedAutoencoder):
-            self.model.sync_grads()
+        if is_partitioned(self.model):
+            parts.sync_grads(self.model)
         self.optimizer.step()
 
 

@@ -8,6 +8,8 @@ from scaleout.comm.group import (
     destroy_distributed,
     free_port,
     init_distributed,
+    join_group,
+    run_locally,
 )
 
 __all__ = [
@@ -18,4 +20,6 @@ __all__ = [
     "destroy_distributed",
     "free_port",
     "init_distributed",
+    "join_group",
+    "run_locally",
 ]

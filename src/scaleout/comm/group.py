@@ -42,6 +42,8 @@ __all__ = [
     "destroy_distributed",
     "free_port",
     "init_distributed",
+    "join_group",
+    "run_locally",
 ]
 
 
@@ -103,6 +105,38 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def join_group(rank: int, world: int, address: str, port: int, **options: Any) -> int:
+    """Set the torchrun variables for rank `rank` of `world` and join the default process
+    group there (`init_distributed`); returns this process's id. The one way every process of
+    the project joins a group: Ray actors (`GroupMember`), local processes (`run_locally`)
+    and benchmark processes on other hosts."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR=address,
+        MASTER_PORT=str(port),
+    )
+    init_distributed(**options)
+    return os.getpid()
+
+
+def _local_member(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    join_group(rank, world, "127.0.0.1", port)
+    try:
+        fn(rank, world, *args)
+    finally:
+        destroy_distributed()
+
+
+def run_locally(fn: Callable[..., Any], world: int, *args: Any) -> None:  # noqa: ANN401
+    """Run `fn(rank, world, *args)` in `world` new processes on this machine, joined in one
+    gloo process group (torch.multiprocessing; `fn` must be importable)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_local_member, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
 class GroupMember:
     """Mixin for Ray actor classes that form a process group with `ProcessGroup.create`."""
 
@@ -123,16 +157,10 @@ class GroupMember:
         device: str | None = None,
         timeout_s: float = 300.0,
     ) -> int:
-        """Set the torchrun variables and join the group; returns this process's id."""
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR=address,
-            MASTER_PORT=str(port),
+        """Join the group as rank `rank` (`join_group`); returns this process's id."""
+        return join_group(
+            rank, world, address, port, backend=backend, device=device, timeout_s=timeout_s
         )
-        init_distributed(backend, device, timeout_s)
-        return os.getpid()
 
     def leave_group(self) -> None:
         destroy_distributed()

@@ -45,12 +45,16 @@ class ModelParallelSection(Section):
 
 
 def check_partitionable(job: Job, strategy: str) -> None:
-    """A grid partitions only what `parallelize` can split: one line naming the fix."""
-    if job.probe is not None and not job.probe.partitionable:
+    """A grid trains what `parallelize` can split and whose objective is a sum of the
+    workers' parts (a layer-wise model such as the sparse autoencoder; a supervised loss
+    would need the whole output on one worker): one line naming the fix otherwise."""
+    probe = job.probe
+    if probe is not None and not (probe.partitionable and probe.layerwise):
         raise ConfigError(
-            f'train.strategy = "{strategy}" with model parallelism partitions '
-            f"{PARTITIONABLE}; the model ({job.model.name}) is not one: set "
-            'model.kind = "sparse_autoencoder" or use another strategy'
+            f'train.strategy = "{strategy}" with model parallelism trains a layer-wise model '
+            f"that `scaleout.parallel.parallelize` partitions ({PARTITIONABLE}); the model "
+            f'({job.model.name}) is not one: set model.kind = "sparse_autoencoder" or use '
+            "another strategy"
         )
 
 
