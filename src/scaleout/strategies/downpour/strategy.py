@@ -267,15 +267,17 @@ class Downpour:
         if phase != self.phase:
             self._finish_phase()
             self._begin_phase(phase, fresh=True)
-        # Replicas run on past a metrics line, but not past an evaluation or a checkpoint
-        # (replica 0 answers those, at exactly their step) or the phase's end.
+        # One replica alone stops exactly at an evaluation or a checkpoint (replica 0 answers
+        # those, so the run is strategy "single"'s step for step); several run on past them,
+        # as Downpour's replicas never wait for one another: replica 0 answers after its chunk.
         cfg = self.cfg
-        phase_end = self._phase_end()
-        limit = min(
-            phase_end,
-            (self.step // cfg.eval_every + 1) * cfg.eval_every,
-            (self.step // cfg.checkpoint_every + 1) * cfg.checkpoint_every,
-        )
+        phase_end = limit = self._phase_end()
+        if len(self._active()) == 1:
+            limit = min(
+                limit,
+                (self.step // cfg.eval_every + 1) * cfg.eval_every,
+                (self.step // cfg.checkpoint_every + 1) * cfg.checkpoint_every,
+            )
         target = min(self.step + num_steps, limit)
         chunk = Chunk()
         while True:
