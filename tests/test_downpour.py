@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from scaleout.api import Run, prepare
 from scaleout.checkpoint import load_checkpoint
@@ -247,3 +248,18 @@ def test_diverging_replica_stops_the_run_with_the_users_error(ray_session, tmp_p
     downpour = driver(write_config(tmp_path, steps=200), "train.optimizer=sgd", "train.lr=1e12")
     with pytest.raises(UserError, match="training diverged: replica"):
         downpour.train()
+
+
+def test_one_replica_fetching_and_pushing_every_step_is_strategy_single(ray_session, tmp_path):
+    """One replica, n_fetch = n_push = 1, no warm start: the shards apply each gradient before
+    the next fetch, with the same element-wise optimizer, and replica 0 draws strategy
+    single's batches and dropout masks: the runs end with the same weights, bit for bit."""
+    path = write_config(tmp_path, "one", replicas=1, warmstart=0, steps=40, eval_every=20)
+    overrides = ["downpour.n_fetch=1", "downpour.n_push=1", "model.dropout=[0.2, 0.5]"]
+    downpour = driver(path, *overrides).train()
+    single = driver(path, *overrides, "train.strategy=single", "run.name=single").train()
+    ours, _ = load_checkpoint(RunDir(downpour.run_dir).checkpoints.latest())
+    reference, _ = load_checkpoint(RunDir(single.run_dir).checkpoints.latest())
+    weights = [k for k in reference if k.startswith("model.")]
+    assert weights and all(torch.equal(ours[k], reference[k]) for k in weights)
+    assert downpour.final_test_accuracy == single.final_test_accuracy
