@@ -120,10 +120,11 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Any:  # noq
     """Validate raw tables as a `RunConfig`; errors name `source` and the key path. The data
     files the config names are checked too, so a run fails before it builds anything."""
     raw = dict(raw)
-    for key, tag in _TAGS.items():
-        raw[key] = _tag_factory(raw.get(key), tag) if key in raw else None
-        if raw[key] is None:
-            del raw[key]
+    for key, tag in _TAGS.items():  # a table naming a factory is the factory section
+        if raw.get(key) is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = _tag_factory(raw[key], tag)
     config = validate(RunConfig, raw, source)
     if config.data is not None:
         try:
