@@ -1,13 +1,15 @@
 """Suite `codecs_training`: does compression change what is learnt? (8-bit paper, Figs 3, 4)
 
-The paper's MNIST network (784-1024-1024-10, dropout 0.2/0.5/0.5, RMSProp) trained with each
-codec, 3 seeds each, final test error beside fp32:
+The paper's MNIST network (784-1024-1024-10, dropout 0.2/0.5/0.5, RMSProp) trained by
+`scaleout.fit` with each codec, 3 seeds each (`run.seed`), final test error beside fp32:
 
-(a) data parallel: 2 processes (gloo), DDP with `ddp_hook(codec)`; fp32 is DDP's own
-    all-reduce; 1-bit runs with error feedback;
-(b) model parallel (simulated in one process): the activations sent from layer to layer and
-    the deltas sent back pass through `compressed(x, codec)`, in training and at test time;
-    1-bit without error feedback (activations differ from batch to batch).
+(a) data parallel: strategy "sync", 2 workers (Ray actors, one thread each, gloo),
+    `sync.mode = "allreduce"`: DDP with `[compress] codec` as its communication hook
+    (`ddp_hook`); fp32 is DDP's own all-reduce; 1-bit runs with `error_feedback = true`;
+(b) model parallel (simulated in one process): strategy "single" with `model=` a factory of
+    the MLP whose activations sent from layer to layer and deltas sent back pass through
+    `compressed(x, codec)` (`Exchanged`), in training and at test time; 1-bit without error
+    feedback (activations differ from batch to batch).
 
 Target: every 8-bit codec within 0.2 percentage points of fp32 (the paper: no difference);
 1-bit converges in (a) (within 1 point of fp32); in (b) it is shown as it is.
@@ -15,31 +17,36 @@ Kept short to fit the benchmark's time: `SCALEOUT_BENCH_CODECS_STEPS` steps (def
 25,600 examples, under half an epoch) with RMSProp lr 3e-4 and global batch 128, as
 `configs/mnist_single.toml`; the paper trained to convergence, so our errors are higher and
 differences between codecs of a few tenths of a point are within the seed-to-seed spread.
+`SCALEOUT_BENCH_CODECS_SEEDS` sets the number of seeds. Every run evaluates and checkpoints
+once, at its end; the training time in the notes sums the metrics lines' training time, and
+includes compiling the codec's kernels in each run's new worker processes (the first steps).
+
+The codecs use their compiled kernels for every size: `kernels.compiling("always")` in this
+process, and `SCALEOUT_COMPRESS_COMPILE=always` for the sync workers, set before the
+suite's Ray session starts so that its actors inherit it (a Ray instance already running
+when the suite starts keeps its own environment).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import socket
 import statistics
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset
 
+from scaleout.api import fit
 from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.compress import compressed, ddp_hook, get, kernels
-from scaleout.data import load_image_idx, make_loader
+from scaleout.compress import compressed, get, kernels
+from scaleout.metrics import read_metrics
 from scaleout.nn import MLP
+from scaleout.runtime import session
 
 CODECS = ["fp32", "fp16", "bf16", "dynamic8", "dynamic8_bnb", "static8", "mantissa8", "linear8"]
 CODECS += ["onebit"]
@@ -47,89 +54,8 @@ STEPS = int(os.environ.get("SCALEOUT_BENCH_CODECS_STEPS", 200))
 SEEDS = list(range(int(os.environ.get("SCALEOUT_BENCH_CODECS_SEEDS", 3))))
 BATCH = 128
 LR = 3e-4
-
-
-def network(seed: int) -> MLP:
-    torch.manual_seed(seed)
-    return MLP([784, 1024, 1024, 10], dropout=[0.2, 0.5, 0.5])
-
-
-def batches(
-    train: Dataset, seed: int, part: int = 0, num_parts: int = 1
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """`STEPS` shuffled batches (this worker's `part` of each), over as many epochs as needed."""
-    step, epoch = 0, 0
-    while True:
-        for batch in make_loader(
-            train, BATCH, seed=seed, epoch=epoch, part=part, num_parts=num_parts
-        ):
-            if step == STEPS:
-                return
-            step += 1
-            yield batch
-        epoch += 1
-
-
-@torch.no_grad()
-def test_error(forward: Callable[[torch.Tensor], torch.Tensor], test: Dataset) -> float:
-    """Percentage of misclassified test images."""
-    wrong = 0
-    for x, y in make_loader(test, 1000, shuffle=False):
-        wrong += int((forward(x).argmax(1) != y).sum())
-    return 100 * wrong / len(test)
-
-
-# --- (a) data parallel --------------------------------------------------------------------
-
-
-def _ddp_worker(rank: int, port: int, out: Path) -> None:
-    with kernels.compiling("always"):  # DDP's first bucket (1 MB) is below "auto"'s size
-        _train_ddp(rank, port, out)
-
-
-def _train_ddp(rank: int, port: int, out: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        train, test = load_image_idx("mnist", "train"), load_image_idx("mnist", "test")
-        results: dict[str, list[float]] = {}
-        for codec in CODECS:
-            for seed in SEEDS:
-                model = network(seed)
-                ddp = DistributedDataParallel(model)
-                if codec != "fp32":
-                    ddp.register_comm_hook(None, ddp_hook(codec))  # onebit: error feedback
-                optimizer = torch.optim.RMSprop(ddp.parameters(), lr=LR)
-                torch.manual_seed(1000 * seed + rank)  # each rank its own dropout masks
-                start = time.perf_counter()
-                for x, y in batches(train, seed, part=rank, num_parts=2):
-                    optimizer.zero_grad(set_to_none=True)
-                    F.cross_entropy(ddp(x), y).backward()
-                    optimizer.step()
-                elapsed = time.perf_counter() - start
-                error = test_error(model.eval(), test)
-                results.setdefault(codec, []).append(error)
-                results.setdefault(f"{codec} seconds", []).append(elapsed)
-        if rank == 0:
-            out.write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def data_parallel() -> dict[str, list[float]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "a.json"
-        mp.spawn(_ddp_worker, args=(free_port(), out), nprocs=2, join=True)
-        return json.loads(out.read_text())
-
-
-# --- (b) model parallel -------------------------------------------------------------------
+SIZES = [784, 1024, 1024, 10]
+DROPOUT = [0.2, 0.5, 0.5]
 
 
 class Exchanged(nn.Module):
@@ -149,27 +75,83 @@ class Exchanged(nn.Module):
         return h
 
 
-def model_parallel() -> dict[str, list[float]]:
-    with kernels.compiling("always"):  # activations of 128 x 1024 values
-        return _train_model_parallel()
+def exchanged_mlp(codec: str) -> Exchanged:
+    """(b)'s model: the paper's MLP with its exchanges through `codec` (`fit`'s `model=`)."""
+    return Exchanged(MLP(SIZES, dropout=DROPOUT), codec)
 
 
-def _train_model_parallel() -> dict[str, list[float]]:
-    train, test = load_image_idx("mnist", "train"), load_image_idx("mnist", "test")
+def config(kind: str, codec: str, seed: int, root: Path) -> dict[str, Any]:
+    """The run config of one (a) or (b) run."""
+    data_parallel = kind.startswith("(a)")
+    train = {
+        "strategy": "sync" if data_parallel else "single",
+        "steps": STEPS,
+        "batch_size": BATCH,  # (a): 64 per worker
+        "optimizer": "rmsprop",
+        "lr": LR,
+        "log_every": max(1, STEPS // 10),
+        "eval_every": STEPS + 1,  # evaluation and checkpoint at the end only
+        "checkpoint_every": STEPS + 1,
+        "keep_checkpoints": 1,
+    }
+    run = {
+        "name": f"{'a' if data_parallel else 'b'}_{codec}_seed{seed}",
+        "out_dir": str(root),
+        "seed": seed,
+        "device": "cpu",
+        "num_threads": 1 if data_parallel else None,  # (b): this process's threads
+    }
+    raw: dict[str, Any] = {"run": run, "data": {"dataset": "mnist"}, "train": train}
+    if data_parallel:
+        raw["model"] = {"kind": "mlp", "sizes": SIZES, "dropout": DROPOUT}
+        raw["sync"] = {"num_workers": 2, "mode": "allreduce"}
+        raw["compress"] = {"codec": codec, "error_feedback": codec == "onebit"}
+    return raw
+
+
+def training_seconds(run_dir: Path) -> float:
+    """Seconds spent training (evaluation and checkpoints left out), from metrics.jsonl."""
+    seconds, examples = 0.0, 0
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        if record.get("examples_per_s"):
+            seconds += (record["examples"] - examples) / record["examples_per_s"]
+            examples = record["examples"]
+    return seconds
+
+
+def train(kind: str, root: Path) -> dict[str, list[float]]:
+    """Every codec and seed of `kind`: test error % and training seconds of each run."""
     results: dict[str, list[float]] = {}
+    threads = torch.get_num_threads()
     for codec in CODECS:
         for seed in SEEDS:
-            net = Exchanged(network(seed), codec)
-            optimizer = torch.optim.RMSprop(net.parameters(), lr=LR)
-            start = time.perf_counter()
-            for x, y in batches(train, seed):
-                optimizer.zero_grad(set_to_none=True)
-                F.cross_entropy(net(x), y).backward()
-                optimizer.step()
-            elapsed = time.perf_counter() - start
-            results.setdefault(codec, []).append(test_error(net.eval(), test))
-            results.setdefault(f"{codec} seconds", []).append(elapsed)
+            model = None if kind.startswith("(a)") else functools.partial(exchanged_mlp, codec)
+            try:
+                result = fit(config(kind, codec, seed, root), model=model, overwrite=True)
+            finally:
+                torch.set_num_threads(threads)
+            assert result.run_dir is not None and result.final_test_accuracy is not None
+            results.setdefault(codec, []).append(100 * (1 - result.final_test_accuracy))
+            results.setdefault(f"{codec} seconds", []).append(training_seconds(result.run_dir))
     return results
+
+
+@contextmanager
+def compile_always() -> Iterator[None]:
+    """Compiled codec kernels for every size, here and in processes started inside."""
+    before = os.environ.get("SCALEOUT_COMPRESS_COMPILE")
+    os.environ["SCALEOUT_COMPRESS_COMPILE"] = "always"
+    try:
+        with kernels.compiling("always"):
+            yield
+    finally:
+        if before is None:
+            del os.environ["SCALEOUT_COMPRESS_COMPILE"]
+        else:
+            os.environ["SCALEOUT_COMPRESS_COMPILE"] = before
+
+
+KINDS = ["(a) data parallel", "(b) model parallel"]
 
 
 # --- rows ---------------------------------------------------------------------------------
@@ -216,13 +198,15 @@ def plot(results: dict[str, dict[str, list[float]]], ax) -> None:  # noqa: ANN00
 
 
 def measure() -> tuple[list[Row], list[str], dict]:
-    results = {"(a) data parallel": data_parallel(), "(b) model parallel": model_parallel()}
+    # DDP's first bucket (1 MB) and (b)'s activations (128 x 1024) are below "auto"'s size
+    with compile_always(), session(), tempfile.TemporaryDirectory(prefix="bench-codecs-") as tmp:
+        results = {kind: train(kind, Path(tmp)) for kind in KINDS}
     rows = [row for kind, values in results.items() for row in rows_for(kind, values)]
     notes = [
         f"MNIST MLP 784-1024-1024-10, dropout 0.2/0.5/0.5, RMSProp lr {LR}, batch {BATCH} "
-        f"(a: 64 per worker), {STEPS} steps, seeds {SEEDS}; codecs per tensor/bucket, "
-        "nearest rounding, exponent offset 10^1 for the static types; compiled kernels "
-        "for every size (SCALEOUT_COMPRESS_COMPILE=always).",
+        f"(a: 64 per worker), {STEPS} steps, seeds {SEEDS}, all by scaleout.fit; codecs per "
+        "tensor/bucket, nearest rounding, exponent offset 10^1 for the static types; compiled "
+        "kernels for every size (SCALEOUT_COMPRESS_COMPILE=always).",
         *[note for kind, values in results.items() for note in notes_for(kind, values)],
     ]
     return rows, notes, results

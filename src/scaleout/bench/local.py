@@ -10,12 +10,17 @@
 2. Forward + backward of one layer: the hand-written backward against autograd through
    `F.unfold` (the layer keeps the faster).
 3. The unit-norm filter normalisation pass (and its backward) in GB/s against a plain copy.
-4. Greedy training of the 1.8-billion-parameter network (configs/autoencoder_1.8b.toml):
-   seconds per minibatch of 96 for each stack (the faster of 1 thread and all threads), and
-   the process's peak memory while it trains.
-   The available memory is checked first; a stack whose fp32 momentum would not fit is
-   trained without momentum instead (said in a note), and one that would not fit at all is
-   skipped.
+4. Greedy training of the 1.8-billion-parameter network (configs/autoencoder_1.8b.toml) by
+   the library (`scaleout.fit`, strategy "single", one run at 1 thread and one at all
+   threads): seconds per minibatch of 96 for each stack (from metrics.jsonl: the fastest
+   minibatch after the stack's first, which fits alpha and warms up; the faster of the two
+   thread counts), and the process's peak memory over the runs (the whole run's, not each
+   stack's). The available memory is checked first: when the largest stack's fp32 momentum
+   would not fit, the run trains by SGD without momentum (said in a note); when the weights
+   and one stack's gradient would not fit, it is skipped. A run evaluates and writes a
+   checkpoint at each stack's end (the library does; ~6 GB each, one kept), which the times
+   leave out. `SCALEOUT_BENCH_LOCAL_CONFIG` and `SCALEOUT_BENCH_LOCAL_STEPS` (minibatches per
+   stack, 3) choose another config and length (a quick check on a small network).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 import torch
 
 from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.bench.local_greedy import greedy_rows
 from scaleout.nn.local import (
     LocalGeometry,
     from_hwcn,
@@ -51,8 +57,6 @@ KERNEL_LAYERS = {
     "4x4x8": LocalGeometry(8, 60, 60, 20, 4, 4, 4, 8),  # 11x11 positions of 128 x 3200
     "4x4x18": LocalGeometry(18, 48, 48, 32, 4, 4, 4, 18),  # 5x5 positions of 288 x 18432
 }
-GREEDY_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "autoencoder_1.8b.toml"
-GREEDY_STEPS = 1  # timed minibatches per stack and thread count, after one warm-up step
 
 
 def best_times(
@@ -148,29 +152,18 @@ def backward_rows(rows: list[Row]) -> None:
         return run
 
     times = best_times({"hand": step(local_linear), "unfold": step(local_linear_unfold)}, reps=5)
-    flops = 3 * g.matmul_flops(BATCH)
-    rows.append(
-        Row(
-            "layer fwd+bwd, hand-written backward", flops / times["hand"] / 1e9, "GFLOP/s", "higher"
-        )
-    )
-    rows.append(
-        Row(
-            "layer fwd+bwd, autograd through unfold",
-            flops / times["unfold"] / 1e9,
-            "GFLOP/s",
-            "higher",
-        )
-    )
-    rows.append(
+    gflops = {key: 3 * g.matmul_flops(BATCH) / seconds / 1e9 for key, seconds in times.items()}
+    rows += [
+        Row("layer fwd+bwd, hand-written backward", gflops["hand"], "GFLOP/s", "higher"),
+        Row("layer fwd+bwd, autograd through unfold", gflops["unfold"], "GFLOP/s", "higher"),
         Row(
             "hand-written backward speed-up over autograd",
             times["unfold"] / times["hand"],
             "x",
             "higher",
             target=1.0,
-        )
-    )
+        ),
+    ]
 
 
 def normalization_rows(rows: list[Row]) -> None:
@@ -234,133 +227,6 @@ def normalization_rows(rows: list[Row]) -> None:
             target=1.0,
         ),
     ]
-
-
-def available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); a large number elsewhere."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 50
-
-
-def reset_peak_memory() -> bool:
-    """Reset the process's peak resident size (Linux: /proc/self/clear_refs)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_memory() -> int:
-    """Peak resident size of this process since the last reset, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def greedy_rows(rows: list[Row], notes: list[str], timings: dict) -> None:
-    """Greedy training of the 1.8B network, stack by stack, with memory checked first."""
-    from scaleout.api import load_config
-    from scaleout.data import natural_image_patches
-    from scaleout.nn import build_model
-
-    config = load_config(GREEDY_CONFIG)
-    options = config.model.model_dump(exclude={"kind"})
-    with torch.device("meta"):
-        shapes = build_model(config.model.kind, **options)
-    per_stack = [sum(p.numel() for p in s.parameters()) * 4 for s in shapes.stacks]
-    weights = sum(per_stack)
-    margin = 3 << 30  # activations, gathered fields, data, the interpreter
-    if available_bytes() < weights + margin:
-        notes.append(
-            f"greedy {config.run.name}: skipped, {available_bytes() / 2**30:.1f} GiB available, "
-            f"the weights alone need {weights / 2**30:.1f} GiB"
-        )
-        return
-    torch.manual_seed(0)
-    started = time.perf_counter()
-    network = build_model(config.model.kind, **options)
-    x = natural_image_patches(
-        config.model.in_size, BATCH, seed=0, channels=config.model.in_channels
-    ).x
-    notes.append(
-        f"greedy {config.run.name}: {sum(p.numel() for p in network.parameters()):,} parameters, "
-        "built in "
-        f"{time.perf_counter() - started:.0f} s; per stack one warm-up minibatch of {BATCH}, then "
-        f"{GREEDY_STEPS} timed per thread count; lr 1e-3 (speed only: a few steps do not train it)"
-    )
-    all_threads = torch.get_num_threads()
-    # One thread as well: on a machine whose two cores other work shares, every parallel
-    # region can wait a scheduler tick for its second thread, and one thread is then faster.
-    thread_counts = sorted({1, all_threads})
-    for k in range(network.num_stacks):
-        need = 2 * per_stack[k] + margin  # gradient + fp32 momentum
-        momentum = config.train.momentum
-        if available_bytes() < need:
-            momentum = 0.0
-            if available_bytes() < per_stack[k] + margin:
-                notes.append(f"stack {k + 1}: skipped, not enough memory for its gradient")
-                continue
-            notes.append(
-                f"stack {k + 1}: fp32 momentum ({per_stack[k] / 2**30:.1f} GiB) does not fit in "
-                f"the {available_bytes() / 2**30:.1f} GiB available: trained by SGD without "
-                "momentum"
-            )
-        network.train_only(k)
-        optimizer = torch.optim.SGD(
-            network.stack_parameter_groups(k, 1e-3), lr=1e-3, momentum=momentum
-        )
-        reset_peak_memory()
-        network.fit_alpha_(x, k)
-        seconds: dict[int, list[float]] = {t: [] for t in thread_counts}
-        for step in range(1 + GREEDY_STEPS * len(thread_counts)):
-            threads = thread_counts[(step - 1) % len(thread_counts)] if step else all_threads
-            torch.set_num_threads(threads)
-            t0 = time.perf_counter()
-            terms = network.stack_objective(x, k)
-            optimizer.zero_grad(set_to_none=True)
-            terms.total.backward()
-            optimizer.step()
-            if step > 0:  # the first step warms up: allocations, page faults
-                seconds[threads].append(time.perf_counter() - t0)
-        torch.set_num_threads(all_threads)
-        peak = peak_memory() / 2**30
-        best = {t: min(times) for t, times in seconds.items()}
-        per_step = min(best.values())
-        timings[k + 1] = (per_step, peak)
-        rows.append(
-            Row(
-                f"greedy {config.run.name}, stack {k + 1}: seconds per minibatch of {BATCH}",
-                per_step,
-                "s",
-                "lower",
-            )
-        )
-        rows.append(
-            Row(
-                f"greedy {config.run.name}, stack {k + 1}: peak memory",
-                peak,
-                "GiB",
-                "lower",
-                target=24.0,
-            )
-        )
-        by_threads = ", ".join(f"{t} thread(s) {v:.1f} s" for t, v in best.items())
-        notes.append(
-            f"stack {k + 1}: {by_threads} per minibatch (the faster is reported); objective "
-            f"{terms.reconstruction.item():.4g} + {terms.sparsity.item():.4g}; momentum "
-            f"{momentum}; load average {os.getloadavg()[0]:.1f}"
-        )
-        del optimizer, terms
-        network.stacks[k].filter.weight.grad = None
-        network.stacks[k].alpha.grad = None
-        gc.collect()
 
 
 def draw(rows: list[Row], ratios: dict, timings: dict, path: Path) -> None:

@@ -1,12 +1,13 @@
 """Suite `model_parallel`: COTS HPC figures 5 and 6 on this machine, and 8-bit exchanges.
 
-(1) Scaling (the paper's section 5.1). What is timed is one update of *all* layers, as in
-full joint training: a forward pass through every stack with autograd on, the objective
-(COTS HPC eq. 1) of every stack on its own input, their sum, one backward pass from the top
-stack to the data (through every exchange), `scaleout.parallel.parts.sync_grads` and an
-SGD-momentum step of every parameter. The library trains greedily (`stack_objective`: the
-stacks below under no_grad) and has no joint update, so it is built here (`joint_objective`)
-in two ways, both held to the single-process network's gradients by the tests:
+(1) Scaling (the paper's section 5.1), a timing harness, not training: what is timed is one
+update of *all* layers, as in full joint training: a forward pass through every stack with
+autograd on, the objective (COTS HPC eq. 1) of every stack on its own input, their sum, one
+backward pass from the top stack to the data (through every exchange),
+`scaleout.parallel.parts.sync_grads` and an SGD-momentum step of every parameter. The
+library trains greedily (`stack_objective`: the stacks below under no_grad) and has no joint
+update, so it is built here (`joint_objective`) in two ways, both held to the single-process
+network's gradients by the tests:
 
 - one pass per stack (each stack's `objective_and_features`, the main rows): the codes of
   the fused `tied_autoencode` give the sparsity term and the features for the next stack,
@@ -16,16 +17,17 @@ in two ways, both held to the single-process network's gradients by the tests:
   weight-sized temporaries (normalised W, and its gradient) make the single process much
   slower on large networks, which flatters the speedup of the partitioned one.
 
-Workers are processes with one thread each (gloo on loopback), so 2 workers use twice the
-cores of 1, as 2 GPUs did in the paper; grids 1x1, 1x2 and 2x2 for 1, 2 and 4 workers. The
-baseline is the plain `SparseAutoencoderNetwork` in one process with one thread; the 1x1
-partitioned network (its exchanges only copy locally) and the plain network with 2 threads
-are shown beside it. This machine has 2 cores: 4 workers oversubscribe it and are shown
-without a target. Networks: the three-stack layout of `configs/autoencoder_small.toml` on
-inputs of `SCALEOUT_BENCH_MP_SIZES` pixels (default 32, 64, 96, 128: 1.7M, 14M, 38M and 73M
-parameters), minibatch `SCALEOUT_BENCH_MP_BATCH` (32). Target: 2 workers >= 1.7x over 1 on
-the largest. Like the paper's figure 6, the speedups are per network size (each size's own
-1-worker time), with the sizes' parameter counts in the row names.
+Workers are processes with one thread each, brought up by `scaleout.comm.run_locally` (gloo
+on loopback), so 2 workers use twice the cores of 1, as 2 GPUs did in the paper; grids 1x1,
+1x2 and 2x2 for 1, 2 and 4 workers. The baseline is the plain `SparseAutoencoderNetwork` in
+one process with one thread; the 1x1 partitioned network (its exchanges only copy locally)
+and the plain network with 2 threads are shown beside it. This machine has 2 cores: 4
+workers oversubscribe it and are shown without a target. Networks: the three-stack layout of
+`configs/autoencoder_small.toml` on inputs of `SCALEOUT_BENCH_MP_SIZES` pixels (default 32,
+64, 96, 128: 1.7M, 14M, 38M and 73M parameters), minibatch `SCALEOUT_BENCH_MP_BATCH` (32).
+Target: 2 workers >= 1.7x over 1 on the largest. Like the paper's figure 6, the speedups are
+per network size (each size's own 1-worker time), with the sizes' parameter counts in the
+row names.
 
 All set-ups live in one group of 4 processes and take turns, one update each, round after
 round (`SCALEOUT_BENCH_MP_WARMUP` rounds untimed, 2; then `SCALEOUT_BENCH_MP_TIMED` rounds,
@@ -48,31 +50,37 @@ core, so it shows whether each worker really had a core of its own.
 
 (2) 8-bit exchange (the 8-bit paper's model-parallel use): the same 1x2 updates with codec
 "dynamic8" on every exchanged activation and gradient (bytes and time beside fp32), and
-greedy training as `scaleout train configs/autoencoder_small.toml` does it (32x32 whitened
-natural-image patches, minibatch 64, SGD momentum 0.9, lr 0.01, alpha fitted at each stack's
-start) for `SCALEOUT_BENCH_MP_TRAIN_STEPS` steps per stack (100) from the same seed: fp32 and
-dynamic8 on 1x2, and the single process. Compared: each stack's objective on 512 held-out
-patches at the end. The run-to-run reference is the single process trained on another
-data order; the 8-bit target is to differ from fp32 by no more than that.
+greedy training by the library, `scaleout.fit`, as `scaleout train
+configs/autoencoder_model_parallel.toml` does it (32x32 whitened natural-image patches,
+minibatch 64, SGD momentum 0.9, lr 0.01, alpha fitted at each stack's start, one thread per
+worker) for `SCALEOUT_BENCH_MP_TRAIN_STEPS` steps per stack (100) from the same weights:
+strategy "model_parallel" on a 1x2 grid with fp32 and with `compress.codec = "dynamic8"`,
+and strategy "single". Compared: each stack's objective on 512 held-out patches at the end
+of its phase (the run's evaluation; the stacks below are frozen by then, so it is also the
+objective at the end of the run). The run-to-run reference is the single process trained on
+another data order (`run.seed = 1`; the model and data factories fix weights and patches);
+the 8-bit target is to differ from fp32 by no more than that. The objective curves are the
+runs' metrics.jsonl (a line per step); the bytes a grid worker sent in the last step of each
+stack are measured inside the run by `MeteredNetwork`, beside `bytes_per_step`.
 """
 
 from __future__ import annotations
 
-import datetime
+import functools
 import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import Tensor
+from torch.utils.data import Dataset
 
+from scaleout.api import fit
 from scaleout.bench import Row, SuiteResult, register_suite
 from scaleout.bench.model_parallel_report import (
     plot,
@@ -89,11 +97,12 @@ from scaleout.bench.model_parallel_update import (
     joint_objective,
     network,
 )
-from scaleout.comm import free_port
+from scaleout.comm import run_locally
 from scaleout.compress import get
-from scaleout.data import make_loader, natural_image_patches
-from scaleout.nn.autoencoder import ObjectiveTerms, SparseAutoencoderNetwork
-from scaleout.parallel import bytes_per_step, is_partitioned, parallelize, parts
+from scaleout.data import natural_image_patches
+from scaleout.metrics import read_metrics
+from scaleout.parallel import parallelize
+from scaleout.runtime import session
 
 __all__ = ["ExchangeMeter", "Settings", "Updater", "joint_objective", "network", "plot", "results"]
 
@@ -215,129 +224,100 @@ def time_updates(size: int, settings: Settings, rank: int, groups: dict[int, Any
     return {"size": size, "parameters": parameters, "records": records}
 
 
-# --- (2) greedy training with and without 8-bit exchanges ---------------------------------
+# --- (2) greedy training with and without 8-bit exchanges, by scaleout.fit ---------------
 
 
-def greedy_train(
-    model: SparseAutoencoderNetwork,
-    data: Any,  # noqa: ANN401 - an ArrayDataset of patches
-    steps_per_stack: int,
-    seed: int,
-    meter: ExchangeMeter,
-) -> dict[str, list[float]]:
-    """Greedy training as `scaleout.optim.greedy` does it; returns the objective of every
-    step and, per stack, the bytes measured in its last step and `bytes_per_step`."""
-    partitioned = is_partitioned(model)
-    curve, measured, predicted = [], [], []
-    for index in range(model.num_stacks):
-        model.train_only(index)
-        groups = model.stack_parameter_groups(index, TRAIN_LR)
-        optimizer = torch.optim.SGD(groups, lr=TRAIN_LR, momentum=MOMENTUM)
-        for step, x in enumerate(_batches(data, steps_per_stack, seed + index)):
-            if step == 0:
-                model.fit_alpha_(x, index)
-            meter.reset()
-            terms = model.stack_objective(x, index)
-            optimizer.zero_grad(set_to_none=True)
-            terms.total.backward()
-            if partitioned:
-                parts.sync_grads(model)
-                terms = _total(model, terms)
-            optimizer.step()
-            curve.append(terms.total.item())
-        measured.append(meter.bytes_sent)
-        predicted.append(bytes_per_step(model, index, TRAIN_BATCH) if partitioned else 0)
-    return {"curve": curve, "bytes_measured": measured, "bytes_per_step": predicted}
+def patches(num_eval: int) -> tuple[Dataset, Dataset]:
+    """The training runs' data (`fit`'s `data=`): the same patches whatever `run.seed`."""
+    train = natural_image_patches(TRAIN_SIZE, 16 * 1024, seed=0)
+    return train, natural_image_patches(TRAIN_SIZE, num_eval, seed=1)
 
 
-def _total(model: SparseAutoencoderNetwork, terms: ObjectiveTerms) -> ObjectiveTerms:
-    """The whole replica's terms from a grid worker's parts (an all-reduce)."""
-    values = torch.stack([terms.reconstruction.detach(), terms.sparsity.detach()])
-    values = parts.reduce_parts(model, values)
-    return ObjectiveTerms(values[0], values[1])
-
-
-def _batches(data: Any, num_steps: int, seed: int) -> Iterator[Tensor]:  # noqa: ANN401
-    step, epoch = 0, 0
-    while True:
-        for (x,) in make_loader(data, TRAIN_BATCH, seed=seed, epoch=epoch, drop_last=True):
-            if step == num_steps:
-                return
-            step += 1
-            yield x
-        epoch += 1
-
-
-@torch.no_grad()
-def held_out_objectives(model: SparseAutoencoderNetwork, x: Tensor) -> list[float]:
-    values = []
-    for index in range(model.num_stacks):
-        terms = model.stack_objective(x, index)
-        if is_partitioned(model):
-            terms = _total(model, terms)
-        values.append(terms.total.item())
-    return values
-
-
-def train_runs(settings: Settings, rank: int, groups: dict[int, Any]) -> dict:
-    """Ranks 0 and 1: the single process on data orders 0 and 1 at once, then fp32 and
-    dynamic8 on the 1x2 grid (data order 0). Every run starts from the same weights."""
-    results: dict[str, dict] = {}
-    meter = ExchangeMeter()
-    if rank <= 1:
-        data = natural_image_patches(TRAIN_SIZE, 16 * 1024, seed=0)
-        held_out = natural_image_patches(TRAIN_SIZE, settings.num_eval, seed=1).x
-        steps = settings.train_steps
-        with meter.metering():
-            single = network(TRAIN_SIZE)
-            run = greedy_train(single, data, steps, seed=rank, meter=meter)
-            run["objective"] = held_out_objectives(single, held_out)
-            results[f"single, data order {rank}"] = run
-            for codec in ("fp32", "dynamic8"):
-                part = parallelize(
-                    network(TRAIN_SIZE),
-                    (1, 2),
-                    rank,
-                    groups[2],
-                    codec=None if codec == "fp32" else get(codec),
-                )
-                run = greedy_train(part, data, steps, seed=0, meter=meter)
-                run["objective"] = held_out_objectives(part, held_out)
-                results[f"1x2 {codec}"] = run
-    dist.barrier()
-    return results
-
-
-# --- processes ----------------------------------------------------------------------------
-
-
-def _worker(rank: int, port: int, settings: Settings, out: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=600),
-    )
+def greedy_fit(
+    name: str, strategy: str, seed: int, codec: str, settings: Settings, root: Path
+) -> dict:
+    """One greedy training run by `scaleout.fit`: the objective of every step, each stack's
+    held-out objective at its end, and per stack the bytes a grid worker sent in its last
+    step beside `bytes_per_step` (0 in one process)."""
+    steps = settings.train_steps
+    never = 3 * steps + 1  # evaluations and checkpoints at the stacks' ends only
+    config = {
+        "run": {
+            "name": name,
+            "out_dir": str(root),
+            "seed": seed,
+            "device": "cpu",
+            "num_threads": 1,
+        },
+        "train": {
+            "strategy": strategy,
+            "steps": steps,  # per stack
+            "batch_size": TRAIN_BATCH,
+            "optimizer": "momentum",
+            "lr": TRAIN_LR,
+            "momentum": MOMENTUM,
+            "log_every": 1,
+            "eval_every": never,
+            "checkpoint_every": never,
+            "eval_batch_size": settings.num_eval,
+            "keep_checkpoints": 1,
+        },
+        "model_parallel": {"grid": [1, 2]},
+        "compress": {"codec": codec},
+    }
+    model = functools.partial(network, TRAIN_SIZE, metered=True)
+    data = functools.partial(patches, settings.num_eval)
+    threads = torch.get_num_threads()
     try:
-        groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 4: None}
-        scaling = [time_updates(size, settings, rank, groups) for size in settings.sizes]
-        training = train_runs(settings, rank, groups)
-        gathered: list[Any] = [None] * WORLD
-        dist.all_gather_object(gathered, {"scaling": scaling, "training": training})
-        if rank == 0:
-            out.write_text(json.dumps({"settings": asdict(settings), "ranks": gathered}))
+        result = fit(config, model=model, data=data, overwrite=True)
     finally:
-        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    assert result.run_dir is not None
+    lines = read_metrics(result.run_dir / "metrics.jsonl")
+    ends = [r for r in lines if "test_loss" in r]  # one per stack
+    return {
+        "curve": [r["loss"] for r in lines],
+        "objective": [r["test_loss"] for r in ends],
+        "bytes_measured": [r.get("bytes_sent", 0) for r in ends],
+        "bytes_per_step": [r.get("bytes_per_step", 0) for r in ends],
+    }
+
+
+def train_runs(settings: Settings) -> dict:
+    """The single process on data orders 0 and 1, then fp32 and dynamic8 on the 1x2 grid
+    (data order 0), in one Ray session. Every run starts from the same weights."""
+    plan = {
+        "single, data order 0": ("single", 0, "fp32"),
+        "single, data order 1": ("single", 1, "fp32"),
+        "1x2 fp32": ("model_parallel", 0, "fp32"),
+        "1x2 dynamic8": ("model_parallel", 0, "dynamic8"),
+    }
+    with session(), tempfile.TemporaryDirectory(prefix="bench-mp-") as tmp:
+        return {
+            name: greedy_fit(f"run{i}", strategy, seed, codec, settings, Path(tmp))
+            for i, (name, (strategy, seed, codec)) in enumerate(plan.items())
+        }
+
+
+# --- processes of the timing harness ------------------------------------------------------
+
+
+def _worker(rank: int, world: int, settings: Settings, out: Path) -> None:
+    torch.set_num_threads(1)
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 4: None}
+    scaling = [time_updates(size, settings, rank, groups) for size in settings.sizes]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"scaling": scaling})
+    if rank == 0:
+        out.write_text(json.dumps({"settings": asdict(settings), "ranks": gathered}))
 
 
 def measure(settings: Settings | None = None) -> dict:
-    """Run every measurement in a group of `WORLD` processes; the raw records of all ranks."""
+    """Time every update in a group of `WORLD` processes; the raw records of all ranks."""
     settings = settings or Settings()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "model_parallel.json"
-        mp.spawn(_worker, args=(free_port(), settings, out), nprocs=WORLD, join=True)
+        run_locally(_worker, WORLD, settings, out)
         return json.loads(out.read_text())
 
 
@@ -353,7 +333,7 @@ def results(settings: Settings | None = None) -> tuple[list[Row], list[str], lis
         parameters = per_rank[0]["parameters"]
         scaling.append({"size": size, "parameters": parameters, "summary": summary})
         rows += scaling_rows(size, parameters, summary, largest=size == max(settings.sizes))
-    runs = {**ranks[1]["training"], **ranks[0]["training"]}
+    runs = train_runs(settings)
     rows += training_rows(runs, settings.train_steps)
     notes = [
         f"update of all layers (joint: forward, every stack's objective, full backward, "
@@ -363,9 +343,10 @@ def results(settings: Settings | None = None) -> tuple[list[Row], list[str], lis
         "exchange share: time in darray.exchange (forward and backward, codec included) over "
         "the update's time; transfer share: in all_to_all_single alone, waiting for the "
         "partner included.",
-        f"training: {settings.train_steps} greedy steps per stack on 32x32 patches, minibatch "
-        f"{TRAIN_BATCH}, SGD momentum, lr {TRAIN_LR}; objective on {settings.num_eval} "
-        "held-out patches.",
+        f"training: scaleout.fit, strategies single and model_parallel (1x2 grid), "
+        f"{settings.train_steps} greedy steps per stack on 32x32 patches, minibatch "
+        f"{TRAIN_BATCH}, SGD momentum, lr {TRAIN_LR}, one thread per worker; objective on "
+        f"{settings.num_eval} held-out patches at the end of each stack's phase.",
         *training_notes(runs, settings.train_steps),
         *spread_notes(scaling),
     ]

@@ -1,6 +1,8 @@
-"""The update the `model_parallel` suite times: one update of all layers of a plain or a
-partitioned sparse-autoencoder network, and a meter of its exchanges (see the suite's
-docstring in `scaleout.bench.model_parallel`)."""
+"""The `model_parallel` suite's timing harness: one update of all layers of a plain or a
+partitioned sparse-autoencoder network (a measurement of the partitioned network's update,
+not a training loop: the library trains greedily), a meter of its exchanges, and the
+network its greedy-training runs give `scaleout.fit`, which reports the bytes a grid worker
+sends (see the suite's docstring in `scaleout.bench.model_parallel`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from torch import Tensor, nn
 
 from scaleout.comm import darray
 from scaleout.nn.autoencoder import SparseAutoencoderNetwork
-from scaleout.parallel import is_partitioned, parts
+from scaleout.parallel import bytes_per_step, is_partitioned, parts
 
 LAYOUT = dict(  # configs/autoencoder_small.toml's three stacks
     in_channels=1,
@@ -32,10 +34,12 @@ LAYOUT = dict(  # configs/autoencoder_small.toml's three stacks
 MOMENTUM = 0.9
 
 
-def network(size: int, seed: int = 0) -> SparseAutoencoderNetwork:
-    """The suite's network on size x size inputs; the same seed gives the same weights."""
+def network(size: int, seed: int = 0, metered: bool = False) -> SparseAutoencoderNetwork:
+    """The suite's network on size x size inputs; the same seed gives the same weights
+    (whatever the global seed was). `metered`: a `MeteredNetwork`."""
     torch.manual_seed(seed)
-    return SparseAutoencoderNetwork(in_size=size, **LAYOUT)  # type: ignore[arg-type]
+    kind = MeteredNetwork if metered else SparseAutoencoderNetwork
+    return kind(in_size=size, **LAYOUT)  # type: ignore[arg-type]
 
 
 def joint_objective(stacks: Sequence[nn.Module], x: Tensor, composed: bool = False) -> Tensor:
@@ -114,3 +118,32 @@ class ExchangeMeter:
             yield self
         finally:
             darray.exchange, dist.all_to_all_single = exchange, all_to_all
+
+
+class MeteredNetwork(SparseAutoencoderNetwork):
+    """The suite's network as `scaleout.fit` trains it (`model=`): once a grid has
+    partitioned it (`is_partitioned`), its worker meters its exchanges from its first
+    training step on (an `ExchangeMeter` installed for the rest of the worker process) and
+    adds to every metrics line the bytes it sent in the chunk's last training step
+    (`bytes_sent`: that step's forward and backward, from the start of `phase_objective`)
+    beside what `scaleout.parallel.bytes_per_step` counts for it (`bytes_per_step`)."""
+
+    meter: ExchangeMeter | None = None
+    batch = 0
+
+    def phase_objective(self, x: Tensor, phase: int) -> dict[str, Tensor]:
+        if torch.is_grad_enabled() and is_partitioned(self):  # a training step, not a test
+            if self.meter is None:
+                self.meter = ExchangeMeter()
+                self._metering = self.meter.metering()
+                self._metering.__enter__()  # left installed: the worker process ends with the run
+            self.meter.reset()
+            self.batch = len(x)
+        return super().phase_objective(x, phase)
+
+    def phase_metrics(self, phase: int) -> dict[str, float | int]:
+        metrics = super().phase_metrics(phase)
+        if self.meter is not None:
+            metrics["bytes_sent"] = self.meter.bytes_sent
+            metrics["bytes_per_step"] = bytes_per_step(self, phase, self.batch)
+        return metrics

@@ -3,7 +3,10 @@ MLP beside Downpour (DistBelief section 4.2 and figure 4).
 
 Convex problem: L2-regularised softmax regression on the 60k MNIST training images in
 [0, 1] (penalty 1e-4 * ||W||^2, biases free), objective against wall time for Sandblaster
-with 1, 2 and 4 replicas, scipy's L-BFGS-B and torch.optim.LBFGS, all in one run.
+with 1, 2 and 4 replicas, scipy's L-BFGS-B and torch.optim.LBFGS, all in one run. Every
+Sandblaster and Downpour run is the library's training (`scaleout.fit`); scipy's L-BFGS-B
+and torch.optim.LBFGS (`_scipy`, `_torch_lbfgs`, with their own objective and backward)
+are independent references that the library is compared with, not scaleout's training.
 
 Stragglers: 4 replicas, one of them 4x slower; time per objective evaluation (one pass over
 the batch) with and without backup tasks, against no straggler.

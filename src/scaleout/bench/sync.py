@@ -17,6 +17,13 @@ Synchronisation (2 workers, in-memory data so that loading costs nothing): examp
 best of three), `average` mode's time per step, and the communication share: one fp32
 all-reduce of all gradients against one forward + backward, per step.
 
+What trains is the library's: every "sync" row is `scaleout`'s own sync worker (the
+library's `Worker` in `allreduce` or `average` mode, in Ray actors joined by its group
+bring-up). The plain PyTorch DDP loop (`plain_ddp`, the DDP tutorial's loop) and the
+forward + backward and all-reduce timings without the library (`compute_only`,
+`comm_share`) are independent references that the library is compared with, not
+scaleout's training.
+
 The paper's figures are its cuDNN-R2 column (Titan Black GPUs): 2 GPUs 23.39 s / 28.92 s
 and 1 GPU 32.76 s / 43.52 s with / without parallel loading.
 """

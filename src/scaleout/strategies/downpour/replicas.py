@@ -12,6 +12,8 @@ from typing import Any
 
 import ray
 
+from scaleout.progress import console
+from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.group import ActorWorkers, Where, spawn_worker
 from scaleout.strategies.model_parallel import ModelParallelSection
 from scaleout.strategies.worker import Role
@@ -104,3 +106,14 @@ class Replica:
             self.group.close(timeout_s=0.0)
         else:
             ray.kill(self.actor, no_restart=True)
+
+
+def placement(replicas: list[Replica], lanes: Lanes) -> dict[str, list[str]]:
+    """Where the replicas and the shards run (node addresses); printed when they span
+    several nodes, and kept in checkpoints."""
+    addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    nodes = [addresses.get(r.node(), "?") for r in replicas]
+    shard_nodes = [addresses.get(node, "?") for node in lanes.nodes()]
+    if len(set(nodes + shard_nodes)) > 1:
+        console.print(f"shards on {shard_nodes}; replicas on {nodes}")
+    return {"shards": shard_nodes, "replicas": nodes}

@@ -47,7 +47,7 @@ from scaleout.runtime import cpu_share, describe_failure
 from scaleout.strategies.downpour import DownpourSection
 from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
-from scaleout.strategies.downpour.replicas import Replica
+from scaleout.strategies.downpour.replicas import Replica, placement
 from scaleout.strategies.model_parallel import ModelParallelSection, check_partitionable
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
@@ -148,14 +148,14 @@ class Downpour:
             self.weights = resume.tensors  # checkpoint of their own, start from it
             self._load_weights(self.replicas, str(resume.path))
         self._begin_phase(self._phase_of(self.step), fresh=self._at_phase_start())
-        self._report_placement()
+        self.placement = placement(self.replicas, self.lanes)
         self._reported = time.perf_counter()
         return {}
 
     def _at_phase_start(self) -> bool:
         assert self._plan is not None
-        phase_steps = self._plan.phase_steps or self._plan.total_steps
-        return self.step % phase_steps == 0 if self._plan.phase_steps else self.step == 0
+        phase_steps = self._plan.phase_steps
+        return self.step % phase_steps == 0 if phase_steps else self.step == 0
 
     def _restore(self, resume: Resume) -> None:
         meta = resume.meta
@@ -188,14 +188,6 @@ class Downpour:
         pending = [(r, r.submit("load_weights", self.weights, source)) for r in replicas]
         for replica, futures in pending:
             replica.get(futures, "loading weights")
-
-    def _report_placement(self) -> None:
-        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        nodes = [addresses.get(r.node(), "?") for r in self.replicas]
-        shard_nodes = [addresses.get(node, "?") for node in self.lanes.nodes()]
-        if len(set(nodes + shard_nodes)) > 1:
-            console.print(f"shards on {shard_nodes}; replicas on {nodes}")
-        self.placement = {"shards": shard_nodes, "replicas": nodes}
 
     # --- phases: the shards of the parameters in training ----------------------------------
 
