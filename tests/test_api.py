@@ -132,7 +132,7 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("strategy", ["downpour", "sync"])
+@pytest.mark.parametrize("strategy", ["downpour", pytest.param("sync", marks=pytest.mark.slow)])
 def test_model_in_a_users_script_trains_on_ray_workers(tmp_path, strategy):
     """A model and data defined in a script that cannot be imported (its file name is not a
     module name, and it runs from another directory): Ray's workers get them by value."""

@@ -231,6 +231,7 @@ def test_one_worker_is_strategy_single_with_dropout(ray_session, tmp_path):
     assert_close(weights(result.run_dir), weights(run_single(path, "ref1")), atol=0)
 
 
+@pytest.mark.slow  # the hook's own tests (test_compress_ddp) run by default
 def test_compress_codec_plugs_in_as_ddp_hook(ray_session, tmp_path):
     path = write_config(tmp_path, "fp32", steps=4)
     _, plain = run_sync(path)

@@ -233,6 +233,7 @@ def test_cli_interrupt_resume_and_no_process_left(tmp_path):
     assert not alive(first | second), "Ray processes outlived the run"
 
 
+@pytest.mark.slow
 def test_three_thread_replicas_train(ray_session, tmp_path):
     """Fetch, compute and push in three threads per replica (the paper's appendix)."""
     # Pipelined replicas push gradients of staler parameters: a smaller step size.

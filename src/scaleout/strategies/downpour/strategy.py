@@ -93,6 +93,7 @@ class Downpour:
         self.phase = -1
         self.step = self.assigned = self.examples = 0
         self.in_flight: dict[int, tuple[list[Any], int]] = {}  # replica -> (futures, steps)
+        self.starting: dict[int, list[Any]] = {}  # restarted replica -> what it waits for
         self.placement: dict[str, list[str]] = {}
         self.weights: Tensors | None = None  # layer-wise: the whole model at the phase's start
         self.pushes: Pushes | None = None
@@ -218,6 +219,7 @@ class Downpour:
     def _finish_phase(self) -> None:
         """Every replica pushes what is left; once all pushes are in, every replica adopts
         the shards' final values (so the frozen layers are the same everywhere)."""
+        self._settle_starting(wait=True)
         live = [r for r in range(len(self.replicas)) if self.alive[r]]
         for method in ("flush_pushes", "adopt_final"):
             futures = {r: self.replicas[r].submit(method) for r in live}
@@ -239,9 +241,36 @@ class Downpour:
     # --- training: chunks to whichever replicas are free -----------------------------------
 
     def _active(self) -> list[int]:
+        ready = [r for r in range(len(self.replicas)) if self.alive[r] and r not in self.starting]
         if self.step < self.opts.warmstart_steps:
-            return [0] if self.alive[0] else []
-        return [r for r in range(len(self.replicas)) if self.alive[r]]
+            return [r for r in ready if r == 0]
+        return ready
+
+    def _settle_starting(self, wait: bool) -> None:
+        """Move restarted replicas on: once started, give them the layers trained so far
+        (layer-wise) and attach them to the shards; once attached, they take chunks."""
+        for replica_id, futures in list(self.starting.items()):
+            done, _ = ray.wait(futures, num_returns=len(futures), timeout=None if wait else 0)
+            if len(done) < len(futures):
+                continue
+            replica = self.replicas[replica_id]
+            try:
+                replica.get(futures, "starting")
+                if replica.started is None:  # attached: it takes chunks from now on
+                    del self.starting[replica_id]
+                    continue
+                replica.started = None  # started: give it what it needs and attach it
+                pending = []
+                if self.weights is not None and self._plan is not None and self._plan.phase_steps:
+                    pending += replica.submit("load_weights", self.weights, "the layers so far")
+                pending += replica.submit_each("attach", self._attach_args(replica, False))
+                self.starting[replica_id] = pending
+                if wait:
+                    replica.get(pending, "attaching to the shards")
+                    del self.starting[replica_id]
+            except (RayActorError, RayTaskError) as error:
+                del self.starting[replica_id]
+                self._replica_failed(replica_id, 0, error)
 
     def _submit(self, replica_id: int, target: int, limit: int) -> None:
         """Hand a chunk to a free replica: up to `target` first (the next metrics line is
@@ -278,7 +307,7 @@ class Downpour:
                     self._submit(r, target, limit)
             if self.step >= target and (self.step < limit or not self.in_flight):
                 break
-            if not self.in_flight:
+            if not self.in_flight and not self.starting:
                 break  # nothing left to run: every replica failed for good, or stopped
             self._wait_one(chunk)
         if self.step >= phase_end and self._plan is not None and self._plan.phase_steps:
@@ -290,10 +319,12 @@ class Downpour:
     def _wait_one(self, chunk: Chunk) -> None:
         """Wait for one replica's chunk to finish and take its result into `chunk`."""
         owner = {f: r for r, (futures, _) in self.in_flight.items() for f in futures}
-        ready, _ = ray.wait(list(owner), num_returns=1, timeout=1.0)
+        starting = [f for futures in self.starting.values() for f in futures]
+        ready, _ = ray.wait(list(owner) + starting, num_returns=1, timeout=1.0)
+        self._settle_starting(wait=False)
         for future in ready:
-            replica_id = owner[future]
-            if replica_id not in self.in_flight:
+            replica_id = owner.get(future)
+            if replica_id is None or replica_id not in self.in_flight:
                 continue
             futures, steps = self.in_flight[replica_id]
             done, _ = ray.wait(futures, num_returns=len(futures), timeout=0)
@@ -353,14 +384,10 @@ class Downpour:
             + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
         )
         replica.kill()
-        if restart:
+        if restart:  # it starts while the others train; it joins when attached
             self.restarts[replica_id] += 1
-            fresh = self._spawn(replica_id)
-            fresh.wait_started()
-            if self.weights is not None and self._plan is not None and self._plan.phase_steps:
-                self._load_weights([fresh], "the layers trained so far")
-            fresh.get(fresh.submit_each("attach", self._attach_args(fresh, False)), "attaching")
-            self.replicas[replica_id] = fresh
+            self.replicas[replica_id] = self._spawn(replica_id)
+            self.starting[replica_id] = [self.replicas[replica_id].started]
         else:
             self.alive[replica_id] = False
             if not any(self.alive):
@@ -371,6 +398,7 @@ class Downpour:
         chunk = Chunk()
         while self.in_flight:
             self._wait_one(chunk)
+        self._settle_starting(wait=True)
         if self.lanes.servers:
             self._finish_phase()
         return chunk
@@ -390,6 +418,7 @@ class Downpour:
         return fields
 
     def _first_alive(self) -> Replica:
+        self._settle_starting(wait=True)  # a replica answers once it is attached
         return next(r for r, ok in zip(self.replicas, self.alive, strict=True) if ok)
 
     def evaluate(self) -> dict[str, float]:
