@@ -41,10 +41,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from scaleout.data import num_batches
 from scaleout.errors import ConfigError, UserError
 from scaleout.metrics import truncate_metrics
-from scaleout.progress import console
 from scaleout.rundir import RunDir
-from scaleout.runtime import cpu_share, describe_failure
+from scaleout.runtime import cpu_share
 from scaleout.strategies.downpour import DownpourSection
+from scaleout.strategies.downpour.failures import ReplicaFailures
 from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica, placement
@@ -55,7 +55,7 @@ from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 CHUNK_STEPS = 20  # most steps handed to a replica at once
 
 
-class Downpour:
+class Downpour(ReplicaFailures):
     name = "downpour"
 
     def __init__(self, job: Job) -> None:
@@ -246,32 +246,6 @@ class Downpour:
             return [r for r in ready if r == 0]
         return ready
 
-    def _settle_starting(self, wait: bool) -> None:
-        """Move restarted replicas on: once started, give them the layers trained so far
-        (layer-wise) and attach them to the shards; once attached, they take chunks."""
-        for replica_id, futures in list(self.starting.items()):
-            done, _ = ray.wait(futures, num_returns=len(futures), timeout=None if wait else 0)
-            if len(done) < len(futures):
-                continue
-            replica = self.replicas[replica_id]
-            try:
-                replica.get(futures, "starting")
-                if replica.started is None:  # attached: it takes chunks from now on
-                    del self.starting[replica_id]
-                    continue
-                replica.started = None  # started: give it what it needs and attach it
-                pending = []
-                if self.weights is not None and self._plan is not None and self._plan.phase_steps:
-                    pending += replica.submit("load_weights", self.weights, "the layers so far")
-                pending += replica.submit_each("attach", self._attach_args(replica, False))
-                self.starting[replica_id] = pending
-                if wait:
-                    replica.get(pending, "attaching to the shards")
-                    del self.starting[replica_id]
-            except (RayActorError, RayTaskError) as error:
-                del self.starting[replica_id]
-                self._replica_failed(replica_id, 0, error)
-
     def _submit(self, replica_id: int, target: int, limit: int) -> None:
         """Hand a chunk to a free replica: up to `target` first (the next metrics line is
         exactly there when one replica runs), then on up to `limit`."""
@@ -362,36 +336,6 @@ class Downpour:
     def _log_pushes(self, records: list[dict[str, Any]]) -> None:
         assert self.pushes is not None
         self.pushes.log(records, self.step, self.examples, self.cfg.lr)
-
-    def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
-        kind = "died" if isinstance(error, RayActorError) else "raised"
-        message = describe_failure(error)  # a user error in a replica stops the run
-        self.steps_lost += steps
-        replica = self.replicas[replica_id]
-        restart = replica.restartable and self.restarts[replica_id] < self.opts.max_restarts
-        self.failures.append(
-            {
-                "time_s": round(time.time() - self._wall_start, 3),
-                "step": self.step,
-                "replica": replica_id,
-                "kind": kind,
-                "restarted": restart,
-                "message": message[:300],
-            }
-        )
-        console.print(
-            f"replica {replica_id} {kind} at step {self.step}: {message[:200]}"
-            + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
-        )
-        replica.kill()
-        if restart:  # it starts while the others train; it joins when attached
-            self.restarts[replica_id] += 1
-            self.replicas[replica_id] = self._spawn(replica_id)
-            self.starting[replica_id] = [self.replicas[replica_id].started]
-        else:
-            self.alive[replica_id] = False
-            if not any(self.alive):
-                raise UserError("every Downpour replica failed; see the messages above")
 
     def finish(self) -> Chunk:
         """Wait for the chunks still running; every replica pushes what is left."""

@@ -1,0 +1,99 @@
+"""What the Downpour strategy does when a replica fails: log it, and restart a one-worker
+replica where it stopped in its data (up to `downpour.max_restarts`) while the others go on.
+A restarted replica starts in the background and joins once it is attached to the shards;
+a grid replica cannot be restarted alone (its workers wait for one another), so its failure
+stops the run, as does the last replica's."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from scaleout.errors import UserError
+from scaleout.progress import console
+from scaleout.runtime import describe_failure
+
+if TYPE_CHECKING:
+    from scaleout.strategies.downpour import DownpourSection
+    from scaleout.strategies.downpour.replicas import Replica
+    from scaleout.train.protocol import Plan, Tensors
+
+
+class ReplicaFailures:
+    """A mixin of the Downpour strategy: failures, restarts, and restarted replicas joining."""
+
+    opts: DownpourSection
+    replicas: list[Replica]
+    alive: list[bool]
+    restarts: list[int]
+    failures: list[dict[str, Any]]
+    starting: dict[int, list[Any]]
+    steps_lost: int
+    step: int
+    weights: Tensors | None
+    _plan: Plan | None
+    _wall_start: float
+
+    if TYPE_CHECKING:  # defined by the strategy
+
+        def _spawn(self, replica_id: int) -> Replica: ...
+        def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]: ...
+
+    def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
+        kind = "died" if isinstance(error, RayActorError) else "raised"
+        message = describe_failure(error)  # a user error in a replica stops the run
+        self.steps_lost += steps
+        replica = self.replicas[replica_id]
+        restart = replica.restartable and self.restarts[replica_id] < self.opts.max_restarts
+        self.failures.append(
+            {
+                "time_s": round(time.time() - self._wall_start, 3),
+                "step": self.step,
+                "replica": replica_id,
+                "kind": kind,
+                "restarted": restart,
+                "message": message[:300],
+            }
+        )
+        console.print(
+            f"replica {replica_id} {kind} at step {self.step}: {message[:200]}"
+            + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
+        )
+        replica.kill()
+        if restart:  # it starts while the others train; it joins when attached
+            self.restarts[replica_id] += 1
+            self.replicas[replica_id] = self._spawn(replica_id)
+            self.starting[replica_id] = [self.replicas[replica_id].started]
+        else:
+            self.alive[replica_id] = False
+            if not any(self.alive):
+                raise UserError("every Downpour replica failed; see the messages above")
+
+    def _settle_starting(self, wait: bool) -> None:
+        """Move restarted replicas on: once started, give them the layers trained so far
+        (layer-wise) and attach them to the shards; once attached, they take chunks."""
+        for replica_id, futures in list(self.starting.items()):
+            done, _ = ray.wait(futures, num_returns=len(futures), timeout=None if wait else 0)
+            if len(done) < len(futures):
+                continue
+            replica = self.replicas[replica_id]
+            try:
+                replica.get(futures, "starting")
+                if replica.started is None:  # attached: it takes chunks from now on
+                    del self.starting[replica_id]
+                    continue
+                replica.started = None  # started: give it what it needs and attach it
+                pending = []
+                if self.weights is not None and self._plan is not None and self._plan.phase_steps:
+                    pending += replica.submit("load_weights", self.weights, "the layers so far")
+                pending += replica.submit_each("attach", self._attach_args(replica, False))
+                self.starting[replica_id] = pending
+                if wait:
+                    replica.get(pending, "attaching to the shards")
+                    del self.starting[replica_id]
+            except (RayActorError, RayTaskError) as error:
+                del self.starting[replica_id]
+                self._replica_failed(replica_id, 0, error)
