@@ -64,13 +64,15 @@ def _table(value: Any) -> Any:  # noqa: ANN401
     return value
 
 
+# (`config_from_dict` tags a table that names a factory before validation, so that error
+# messages and config.json show the tag the union selects by.)
 ModelSection = Annotated[
     Annotated[Union[MODEL_SECTIONS], Field(discriminator="kind")] | None,  # type: ignore[valid-type]  # noqa: UP007
-    BeforeValidator(lambda v: _table(_tag_factory(v, "kind"))),
+    BeforeValidator(_table),
 ]
 DataSection = Annotated[
     Annotated[Union[DATA_SECTIONS], Field(discriminator="dataset")] | None,  # type: ignore[valid-type]  # noqa: UP007
-    BeforeValidator(lambda v: _table(_tag_factory(v, "dataset"))),
+    BeforeValidator(_table),
 ]
 StrategyName = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
 

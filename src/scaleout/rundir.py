@@ -87,6 +87,15 @@ class RunDir:
         for name in RUN_DIRS:
             shutil.rmtree(self.path / name, ignore_errors=True)
 
+    def stopped_at(self, step: int) -> str:
+        """Where a run that could not go on stopped: the step, and what resumes it."""
+        latest = self.checkpoints.latest()
+        return f"at step {step}; " + (
+            f"the last checkpoint is {latest} (continue with --resume)"
+            if latest
+            else "no checkpoint was written yet (start the run again)"
+        )
+
     def finish(self) -> dict[str, Any]:
         """Draw the plot from the metrics and return the run's summary."""
         records = read_metrics(self.metrics)

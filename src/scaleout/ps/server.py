@@ -41,6 +41,8 @@ class ParameterServer:
         self.compress = compress
         self.wire = Wire(compress)  # pushes (gradients), as configured
         self.pull_wire = Wire()  # pulls (parameters) in fp32
+        self._initial: torch.Tensor | None = None  # until every shard holds its slice
+        self._pending: list[Any] = []
 
     @classmethod
     def create(
@@ -93,11 +95,11 @@ class ParameterServer:
     def wait(self) -> None:
         """Wait until every shard holds its initial slice (or its checkpoint): `create(...,
         wait=False)` lets several servers start their processes at once."""
-        pending, flat = getattr(self, "_pending", None), getattr(self, "_initial", None)
-        if not pending:
+        if not self._pending:
             return
+        flat = self._initial
         try:
-            ray.get(pending)
+            ray.get(self._pending)
         except RayActorError:  # a shard died while starting: Ray restarts it, ask again
             ranges = self.ranges
             _get_with_retry(

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from scaleout.data import num_batches
+from scaleout.rundir import RunDir
 from scaleout.strategies.group import ActorWorkers, LocalWorkers
-from scaleout.strategies.worker import Role
+from scaleout.strategies.worker import Role, chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 
@@ -33,18 +34,6 @@ def lockstep_plan(job: Job) -> Plan:
     if not probe.layerwise:
         return Plan(per_phase, per_epoch)
     return Plan(per_phase * probe.num_phases, per_epoch, probe.num_phases, per_phase)
-
-
-def chunk_of(out: dict[str, Any]) -> Chunk:
-    return Chunk(
-        steps=out["steps"],
-        examples=out["examples"],
-        loss_sum=out["loss_sum"],
-        correct=out["correct"],
-        term_sums=out["term_sums"],
-        fields=out["fields"],
-        seconds=out["seconds"],
-    )
 
 
 class Lockstep:
@@ -68,14 +57,7 @@ class Lockstep:
 
     def where(self) -> str:
         """Where the run stopped, for a worker's death: the step and the last checkpoint."""
-        from scaleout.rundir import RunDir
-
-        latest = RunDir(self.job.run_dir).checkpoints.latest()
-        return f"at step {self.step}; " + (
-            f"the last checkpoint is {latest} (continue with --resume)"
-            if latest
-            else "no checkpoint was written yet (start the run again)"
-        )
+        return RunDir(self.job.run_dir).stopped_at(self.step)
 
     def start(self, resume: Resume | None) -> dict[str, Any]:
         assert self._plan is not None

@@ -35,8 +35,8 @@ from pydantic import PositiveFloat, PositiveInt
 from scaleout.config import Section
 from scaleout.errors import ConfigError
 from scaleout.strategies.group import ActorWorkers
-from scaleout.strategies.lockstep import Lockstep, Workers, chunk_of
-from scaleout.strategies.worker import Role
+from scaleout.strategies.lockstep import Lockstep, Workers
+from scaleout.strategies.worker import Role, chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Tensors
 

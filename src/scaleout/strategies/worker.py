@@ -46,6 +46,8 @@ from scaleout.strategies.worker_shards import OnShards
 from scaleout.strategies.worker_state import WorkerState
 from scaleout.train.job import Job
 from scaleout.train.objective import Layerwise, objective_for
+from scaleout.train.protocol import Chunk
+from scaleout.train.state import restored
 
 if TYPE_CHECKING:
     from scaleout.ps import ReplicaClient
@@ -72,6 +74,19 @@ class Role:
         return dataclasses.replace(self, rank=rank, world=world)
 
 
+def chunk_of(out: dict[str, Any]) -> Chunk:
+    """The `Chunk` a worker's `train_chunk` answer reports."""
+    return Chunk(
+        steps=out["steps"],
+        examples=out["examples"],
+        loss_sum=out["loss_sum"],
+        correct=out["correct"],
+        term_sums=out["term_sums"],
+        fields=out["fields"],
+        seconds=out["seconds"],
+    )
+
+
 class Worker(WorkerState, OnShards):
     def __init__(self, job: Job, role: Role, position: dict[str, int] | None = None) -> None:
         self.job, self.role, self.cfg = job, role, job.train
@@ -91,7 +106,6 @@ class Worker(WorkerState, OnShards):
         self.partitioned = role.grid is not None
         # Downpour replica r > 0 shuffles its own part; worker 0 is strategy "single"
         self.data_seed = seed if role.replica == 0 else derive_seed(seed, role.replica)
-        self.num_phases = self.objective.num_phases(model)
         size = len(self.train_set)  # type: ignore[arg-type]
         self.drop_last = size >= self.cfg.batch_size
         self.batches_per_epoch = num_batches(size, self.cfg.batch_size, self.drop_last)
@@ -292,10 +306,6 @@ class Worker(WorkerState, OnShards):
             yield
             return
         params = [p.data for p in self.model.parameters()]
-        saved = [p.clone() for p in params]
-        average_tensors(params)
-        try:
+        with restored(params):
+            average_tensors(params)
             yield
-        finally:
-            for p, value in zip(params, saved, strict=True):
-                p.copy_(value)

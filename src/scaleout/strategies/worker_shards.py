@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from scaleout.parallel import parts
+from scaleout.train.state import restored
 
 if TYPE_CHECKING:
     from scaleout.ps import ParameterServer, ReplicaClient
@@ -63,15 +64,9 @@ class OnShards:
         if self.client is None:
             yield
             return
-        params = [p for group in self.groups for p in group["params"]]
-        saved = [p.detach().clone() for p in params]
-        self.client.fetch(update_versions=False)
-        try:
+        with restored(p for group in self.groups for p in group["params"]):
+            self.client.fetch(update_versions=False)
             yield
-        finally:
-            with torch.no_grad():
-                for p, value in zip(params, saved, strict=True):
-                    p.copy_(value)
 
     def _replicated(self, param: nn.Parameter) -> bool:
         return parts.is_replicated(self.model, param)

@@ -55,28 +55,6 @@ class TrainResult:
         return self.summary.get("final_test_loss")
 
 
-class Window:
-    """Sums of the chunks since the last metrics line."""
-
-    def __init__(self) -> None:
-        self.steps = self.examples = 0
-        self.loss_sum, self.seconds = 0.0, 0.0
-        self.correct: int | None = None
-        self.terms: dict[str, float] = {}
-        self.fields: dict[str, Any] = {}
-
-    def add(self, chunk: Chunk, seconds: float) -> None:
-        self.steps += chunk.steps
-        self.examples += chunk.examples
-        self.loss_sum += chunk.loss_sum
-        if chunk.correct is not None:
-            self.correct = (self.correct or 0) + chunk.correct
-        for name, value in chunk.term_sums.items():
-            self.terms[name] = self.terms.get(name, 0.0) + value
-        self.fields.update(chunk.fields)
-        self.seconds += chunk.seconds if chunk.seconds is not None else seconds
-
-
 def reached(target: float | None, record: dict[str, Any]) -> bool:
     """Whether an evaluation reached `train.target_accuracy` (the run then stops)."""
     accuracy = record.get("test_accuracy")
@@ -88,8 +66,11 @@ def reached(target: float | None, record: dict[str, Any]) -> bool:
     return True
 
 
-def show_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
-    """Loss, test accuracy and rate beside the bar, and a log line per evaluation."""
+def show_progress(
+    progress: TrainingProgress, record: dict[str, Any], bar_fields: dict[str, str]
+) -> None:
+    """Loss, test accuracy and rate beside the bar (and a strategy's `bar_fields`), and a
+    log line per evaluation."""
     fields = {}
     if "stack" in record:
         fields["stack"] = f"stack {record['stack']}"
@@ -100,7 +81,7 @@ def show_progress(progress: TrainingProgress, record: dict[str, Any]) -> None:
     rate = record.get("examples_per_s")
     if rate is not None:
         fields["rate"] = f"{rate / 1000:.1f}k ex/s" if rate >= 1000 else f"{rate:.1f} ex/s"
-    progress.update(record["step"], **{**fields, **record.get("_bar", {})})
+    progress.update(record["step"], **{**fields, **bar_fields})
     if "test_loss" in record:
         progress.log(
             f"step {record['step']}  {record['time_s']:.1f}s  "
@@ -138,7 +119,7 @@ class Driver:
     def now(self) -> float:
         return time.perf_counter() - self.start_time
 
-    def _record(self, window: Window) -> dict[str, Any]:
+    def _record(self, window: Chunk) -> dict[str, Any]:
         record: dict[str, Any] = {
             "time_s": round(self.now(), 4),
             "step": self.step,
@@ -146,11 +127,11 @@ class Driver:
         }
         if window.examples:
             record["loss"] = window.loss_sum / window.examples
-            for name, value in window.terms.items():
+            for name, value in window.term_sums.items():
                 record[name] = value / window.examples
             if window.correct is not None:
                 record["train_accuracy"] = window.correct / window.examples
-            record["examples_per_s"] = window.examples / max(window.seconds, 1e-9)
+            record["examples_per_s"] = window.examples / max(window.seconds or 0.0, 1e-9)
         record.update(window.fields)
         loss = record.get("loss")
         if loss is not None and not math.isfinite(loss):
@@ -168,7 +149,7 @@ class Driver:
             time_s=self.now(),
             strategy=self.strategy.name,
             config=self.job.record,
-            metrics={k: v for k, v in record.items() if not k.startswith("_")},
+            metrics=record,
             **self.plan.resume_meta(),
         )
         self.run.checkpoints.save(self.step, tensors, meta)
@@ -204,7 +185,7 @@ class Driver:
         tensorboard = self.run.tensorboard if self.job.run.tensorboard else None
         record: dict[str, Any] = {}
         saved_at, evaluated_at, terms = -1, -1, set()
-        window = Window()
+        window = Chunk()  # the chunks since the last metrics line
         stopped: str | None = None
         with (
             MetricsLog(self.run.metrics, tensorboard) as log,
@@ -216,15 +197,16 @@ class Driver:
                 nonlocal record, window, evaluated_at, total
                 record = self._record(window)
                 record.update(self.strategy.metrics())
-                terms.update(window.terms)
-                window = Window()
+                terms.update(window.term_sums)
+                window = Chunk()
                 if evaluate:
                     record.update(self.strategy.evaluate())
                     evaluated_at = self.step
                     if reached(cfg.target_accuracy, record):
                         total = self.step
-                log.log({k: v for k, v in record.items() if not k.startswith("_")})
-                show_progress(bar, record)
+                bar_fields = record.pop("_bar", {})  # for the progress bar only
+                log.log(record)
+                show_progress(bar, record, bar_fields)
 
             while self.step < total and not interrupt.requested and stopped is None:
                 cadence = [cfg.log_every, cfg.eval_every, cfg.checkpoint_every]
@@ -232,7 +214,9 @@ class Driver:
                 target = min([target] + [b for b in boundaries if b > self.step])
                 started = time.perf_counter()
                 chunk = self.strategy.train(target - self.step, lambda: interrupt.requested)
-                window.add(chunk, time.perf_counter() - started)
+                if chunk.seconds is None:  # the strategy trained for the whole call
+                    chunk.seconds = time.perf_counter() - started
+                window.add(chunk)
                 before, self.step = self.step, self.step + chunk.steps
                 self.examples += chunk.examples
                 stopped = chunk.stopped
@@ -252,7 +236,7 @@ class Driver:
                     saved_at = self.step
             tail = self.strategy.finish()
             if tail.steps:
-                window.add(tail, tail.seconds or 0.0)
+                window.add(tail)
                 self.step += tail.steps
                 self.examples += tail.examples
                 bar.update(self.step)

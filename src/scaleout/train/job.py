@@ -24,6 +24,7 @@ from scaleout.data.config import LoaderSection, check_datasets
 from scaleout.errors import ConfigError, FactoryError
 from scaleout.factories import call_factory, callable_name, load_callable
 from scaleout.nn.config import check_module
+from scaleout.nn.layerwise import LayerwiseModel
 from scaleout.parallel import can_parallelize
 from scaleout.train.config import RunSection, TrainSection
 
@@ -171,8 +172,8 @@ def probe_job(job: Job) -> Probe:
             model = job.model.build()
     except (FactoryError, RuntimeError, NotImplementedError, TypeError):
         model = job.model.build()  # a factory that needs real tensors (e.g. loads weights)
-    layerwise = hasattr(model, "phase_objective")
-    num_phases = int(getattr(model, "num_phases", 1)) if layerwise else 1
+    layerwise = isinstance(model, LayerwiseModel)
+    num_phases = model.num_phases if layerwise else 1
     partitionable = can_parallelize(model)
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     job.probe = Probe(len(train_set), layerwise, num_phases, partitionable, count)  # type: ignore[arg-type]

@@ -16,13 +16,14 @@ so windows of steps and the parts of a model-parallel worker add up exactly.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from scaleout.data import make_loader
+from scaleout.nn.layerwise import LayerwiseModel
 from scaleout.train.job import LossFn
 
 Reduce = Callable[[Tensor], Tensor]  # sums a worker's parts over its model-parallel group
@@ -30,22 +31,6 @@ Reduce = Callable[[Tensor], Tensor]  # sums a worker's parts over its model-para
 
 def _no_reduce(values: Tensor) -> Tensor:
     return values
-
-
-@runtime_checkable
-class LayerwiseModel(Protocol):
-    """A model trained phase by phase (greedy layer-wise training). Phase k's objective is
-    a dict of terms (per example; they sum to the loss) on an input batch x; only phase k's
-    parameters train; `begin_phase` runs once on the phase's first minibatch;
-    `phase_metrics` adds a phase's own values to the metrics (e.g. its stack and alpha)."""
-
-    @property
-    def num_phases(self) -> int: ...
-    def train_only(self, phase: int) -> None: ...
-    def phase_parameter_groups(self, phase: int, lr: float) -> list[dict[str, Any]]: ...
-    def begin_phase(self, x: Tensor, phase: int) -> None: ...
-    def phase_objective(self, x: Tensor, phase: int) -> dict[str, Tensor]: ...
-    def phase_metrics(self, phase: int) -> dict[str, Any]: ...
 
 
 def is_classification(dataset: Dataset) -> bool:
@@ -71,7 +56,6 @@ def objective_for(model: nn.Module, loss: LossFn, test_set: Dataset) -> Objectiv
 class Objective(Protocol):
     """How a worker trains and evaluates its model (`Supervised` or `Layerwise`)."""
 
-    def num_phases(self, model: nn.Module) -> int: ...
     def parameter_groups(self, model: nn.Module, phase: int, lr: float) -> Sequence[Any]: ...
     def begin_phase(self, model: nn.Module, batch: Sequence[Tensor], phase: int) -> None: ...
     def step(
@@ -105,9 +89,6 @@ class Supervised:
 
     def __init__(self, loss: LossFn, classification: bool) -> None:
         self.loss, self.classification = loss, classification
-
-    def num_phases(self, model: nn.Module) -> int:
-        return 1
 
     def parameter_groups(self, model: nn.Module, phase: int, lr: float) -> Sequence[Any]:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
@@ -164,9 +145,6 @@ class Supervised:
 
 class Layerwise:
     """Greedy layer-wise training of a `LayerwiseModel`: phase k's terms, per example."""
-
-    def num_phases(self, model: nn.Module) -> int:
-        return model.num_phases  # type: ignore[return-value]
 
     def parameter_groups(self, model: nn.Module, phase: int, lr: float) -> Sequence[Any]:
         model.train_only(phase)  # type: ignore[operator]

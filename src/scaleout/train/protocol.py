@@ -67,6 +67,20 @@ class Chunk:
     seconds: float | None = None
     stopped: str | None = None
 
+    def add(self, other: Chunk) -> None:
+        """Take `other`'s steps and sums into this one (its fields overwrite; the seconds
+        add up when both have some)."""
+        self.steps += other.steps
+        self.examples += other.examples
+        self.loss_sum += other.loss_sum
+        if other.correct is not None:
+            self.correct = (self.correct or 0) + other.correct
+        for name, value in other.term_sums.items():
+            self.term_sums[name] = self.term_sums.get(name, 0.0) + value
+        self.fields.update(other.fields)
+        if other.seconds is not None:
+            self.seconds = (self.seconds or 0.0) + other.seconds
+
 
 @dataclass(frozen=True)
 class Resume:

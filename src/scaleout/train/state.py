@@ -9,6 +9,8 @@ strategy or grid where the two train the same model.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -67,3 +69,17 @@ def load_model_state(
         torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
+
+
+@contextmanager
+def restored(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Inside the block the parameters may take other values (the shards', the workers'
+    average) to be evaluated; afterwards they are put back as they were."""
+    params = list(params)
+    saved = [p.detach().clone() for p in params]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, saved, strict=True):
+                p.copy_(value)

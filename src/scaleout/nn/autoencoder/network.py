@@ -32,7 +32,7 @@ def _per_stack(value: object, num_stacks: int, name: str, depth: int = 0) -> lis
 
 
 class StackPhases:
-    """Greedy layer-wise training's interface (`scaleout.train.objective.LayerwiseModel`)
+    """Greedy layer-wise training's interface (`scaleout.nn.layerwise.LayerwiseModel`)
     for a network of stacks: phase k trains stack k + 1 on the output of the frozen stacks
     below. Needs `stacks`, `stack_objective`, `stack_parameter_groups`, `fit_alpha_` and
     `train_only`. On a grid the same methods give this worker's part: `phase_objective`'s

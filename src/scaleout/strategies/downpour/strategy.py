@@ -33,6 +33,7 @@ checkpoint. The run ends with a summary of failures and of the work lost.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -49,6 +50,7 @@ from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica, placement
 from scaleout.strategies.model_parallel import ModelParallelSection, check_partitionable
+from scaleout.strategies.worker import chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 
@@ -126,12 +128,7 @@ class Downpour(ReplicaFailures):
         return min((self.phase + 1) * self._plan.phase_steps, self._plan.total_steps)
 
     def _where(self) -> str:
-        latest = self.run.checkpoints.latest()
-        return f"at step {self.step}; " + (
-            f"the last checkpoint is {latest} (continue with --resume)"
-            if latest
-            else "no checkpoint was written yet (start the run again)"
-        )
+        return self.run.stopped_at(self.step)
 
     def start(self, resume: Resume | None) -> dict[str, Any]:
         elapsed = 0.0
@@ -257,7 +254,7 @@ class Downpour(ReplicaFailures):
         self.in_flight[replica_id] = (futures, steps)
         self.assigned += steps
 
-    def train(self, num_steps: int, stop: Any) -> Chunk:  # noqa: ANN401
+    def train(self, num_steps: int, stop: Callable[[], bool]) -> Chunk:
         phase = self._phase_of(self.step)
         if phase != self.phase:
             self._finish_phase()
@@ -318,16 +315,11 @@ class Downpour(ReplicaFailures):
         self.step += out["steps"]
         self.examples += out["examples"]
         self.positions[replica_id] = out["position"]
-        chunk.steps += out["steps"]
-        chunk.examples += out["examples"]
-        chunk.loss_sum += out["loss_sum"]
-        if out["correct"] is not None:
-            chunk.correct = (chunk.correct or 0) + out["correct"]
-        for name, value in out["term_sums"].items():
-            chunk.term_sums[name] = chunk.term_sums.get(name, 0.0) + value
-        chunk.fields.update(
-            {k: v for k, v in out["fields"].items() if k not in ("epoch", "data_wait_s")}
-        )
+        part = chunk_of(out)
+        part.seconds = None  # replicas run at once: the call's wall time counts (`train`)
+        for key in ("epoch", "data_wait_s"):  # one replica's, not the run's
+            part.fields.pop(key, None)
+        chunk.add(part)
         assert self.pushes is not None
         self.pushes.steps += out["steps"]
         for worker_out in outs:
