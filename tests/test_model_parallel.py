@@ -3,22 +3,15 @@
 features, the summed objective and every parameter gradient equal the single-process
 network's to fp32 tolerance."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from grid_harness import FAILURES, close, run_on_grids
 
-from scaleout.comm import free_port
 from scaleout.comm.windows import Window
 from scaleout.compress import get
 from scaleout.nn.autoencoder import ObjectiveTerms, SparseAutoencoderNetwork
 from scaleout.parallel import bytes_per_step, even_tiling, parallelize, parts
-
-WORLD = 4
-GRIDS = [(1, 2), (2, 1), (2, 2), (3, 1)]
-
 
 # stack 1: 14x14 -> 8x8 block positions (field 7 > a worker's 4-7 rows), codes 8x16, pooled
 # with zero padding; stack 2: 8x16 -> 6x14 positions, pooled without padding to 4x12
@@ -48,32 +41,11 @@ def crop(t: torch.Tensor, w: Window) -> torch.Tensor:
     return t[(..., *w.slices)]
 
 
-# Mismatches are collected, not raised, so every worker goes through all its collectives and
-# the workers report together at the end (a raise would leave the others hanging).
-FAILURES: list[str] = []
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    scale = expected.abs().max().item() + 1e-12
-    try:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale, msg=what)
-    except AssertionError as error:
-        FAILURES.append(f"rank {dist.get_rank()}: {error}")
-
-
 def total_terms(part: SparseAutoencoderNetwork, terms: ObjectiveTerms) -> ObjectiveTerms:
     """The objective of the whole replica: the workers' parts summed (an all-reduce)."""
     values = torch.stack([terms.reconstruction.detach(), terms.sparsity.detach()])
     values = parts.reduce_parts(part, values)
     return ObjectiveTerms(values[0], values[1])
-
-
-def report_failures() -> None:
-    """Raise on every worker with the mismatches of all workers."""
-    gathered: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, FAILURES)
-    failures = [f for part in gathered for f in part or []]
-    assert not failures, "\n".join(failures)
 
 
 def check_grid(grid: tuple[int, int], group: dist.ProcessGroup | None) -> None:
@@ -160,23 +132,8 @@ def train_steps(
         close(state[name], value, f"{grid} global {name}")
 
 
-def worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        groups = {size: dist.new_group(list(range(size))) for size in (2, 3)}
-        for grid in GRIDS:
-            size = grid[0] * grid[1]
-            if rank < size:
-                check_grid(grid, None if size == WORLD else groups[size])
-        report_failures()
-    finally:
-        dist.destroy_process_group()
-
-
 def test_partitioned_network_equals_single_process_on_processes() -> None:
-    mp.spawn(worker, args=(free_port(),), nprocs=WORLD, join=True)
+    run_on_grids(check_grid)
 
 
 def test_one_worker_grid_is_the_network_itself() -> None:

@@ -3,15 +3,12 @@ for grids 1x2, 2x1, 2x2 and 3x1, with uneven partitions and fields wider than a 
 each worker's output tile, the gradients of its weight and bias slices, and its part of the
 input's gradient equal the single-process module's to fp32 tolerance."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from grid_harness import FAILURES, close, run_on_grids
 from torch import nn
 
-from scaleout.comm import free_port
 from scaleout.comm.windows import Window
 from scaleout.nn.local import L2Pool2d, LocalContrastNorm2d, LocallyConnected2d
 from scaleout.parallel import (
@@ -22,8 +19,6 @@ from scaleout.parallel import (
     parts,
 )
 
-WORLD = 4
-GRIDS = [(1, 2), (2, 1), (2, 2), (3, 1)]
 BATCH = 3
 
 
@@ -54,18 +49,6 @@ def probe() -> torch.Tensor:
 def last_tile(part: nn.Sequential, rank: int) -> Window:
     """This worker's window of the module's output: the last spatial layer's tile."""
     return [m for m in part if hasattr(m, "output_windows")][-1].output_windows[rank]
-
-
-# Mismatches are collected, not raised, so every worker goes through all its collectives.
-FAILURES: list[str] = []
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    scale = expected.abs().max().item() + 1e-12
-    try:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale, msg=what)
-    except AssertionError as error:
-        FAILURES.append(f"rank {dist.get_rank()}: {error}")
 
 
 def check_grid(grid: tuple[int, int], group: dist.ProcessGroup | None) -> None:
@@ -105,30 +88,8 @@ def check_grid(grid: tuple[int, int], group: dist.ProcessGroup | None) -> None:
         close(state[name], value, f"{grid} global {name}")
 
 
-def report_failures() -> None:
-    gathered: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, FAILURES)
-    failures = [f for part in gathered for f in part or []]
-    assert not failures, "\n".join(failures)
-
-
-def worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        groups = {size: dist.new_group(list(range(size))) for size in (2, 3)}
-        for grid in GRIDS:
-            size = grid[0] * grid[1]
-            if rank < size:
-                check_grid(grid, None if size == WORLD else groups[size])
-        report_failures()
-    finally:
-        dist.destroy_process_group()
-
-
 def test_partitioned_sequential_equals_single_process_on_processes() -> None:
-    mp.spawn(worker, args=(free_port(),), nprocs=WORLD, join=True)
+    run_on_grids(check_grid)
 
 
 def test_one_worker_grid_is_the_module_itself() -> None:
