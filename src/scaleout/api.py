@@ -189,8 +189,11 @@ def build_job(
     if loss is not None:
         record["train"]["loss"] = callable_name(loss)
     sections = {name: getattr(config, name) for name, spec in STRATEGIES.items() if spec.section}
+    # Absolute on the driver: actors on other nodes (shards, replicas) write where the driver
+    # reads, not into whatever directory their node's `ray start` ran in.
+    run = config.run.model_copy(update={"out_dir": config.run.out_dir.absolute()})
     return Job(
-        run=config.run,
+        run=run,
         train=config.train,
         loader=config.loader,
         compress=config.compress,

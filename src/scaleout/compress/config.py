@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import PositiveInt
+from pydantic import PositiveInt, model_validator
 
 from scaleout.compress.codecs import Codec
 from scaleout.compress.registry import CODEC_NAMES, from_config
@@ -23,6 +23,13 @@ class CompressSection(Section):
     rounding: Literal["nearest", "paper"] = "nearest"
     exponent_offset: int | None = None  # static8 / mantissa8; None: the codec's default
     error_feedback: bool = False  # keep the quantisation residual and add it to the next message
+
+    @model_validator(mode="after")
+    def _options_apply(self) -> CompressSection:
+        """An option the codec does not have (a block size for fp16) is an error here, not
+        in a worker that builds the codec."""
+        self.build()  # raises ValueError naming the option and the codecs it applies to
+        return self
 
     @property
     def is_identity(self) -> bool:

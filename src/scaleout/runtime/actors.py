@@ -19,6 +19,54 @@ def cpu_share(count: int, limit: float = 1.0) -> float:
     return min(limit, cpus / max(count, 1))
 
 
+def check_resources(num_gpus: float = 0.0, resource: str | None = None) -> None:
+    """Fail at once, naming the resource, when no node of the cluster offers what an actor
+    asks for: Ray would keep the actor pending forever, waiting for such a node."""
+    import ray
+
+    from scaleout.errors import UserError
+
+    offered = ray.cluster_resources()
+    if resource and offered.get(resource, 0.0) <= 0:
+        custom = sorted(k for k in offered if k not in _BUILTIN and not k.startswith("node:"))
+        raise UserError(
+            f"no node of the Ray cluster offers the resource {resource!r} (custom resources "
+            f"offered: {', '.join(custom) or 'none'}); start such a node with `ray start "
+            f"--resources '{{\"{resource}\": 100}}'`, or fix or unset the setting that names "
+            "it (downpour.shard_resource / downpour.replica_resource)"
+        )
+    if num_gpus and offered.get("GPU", 0.0) < num_gpus:
+        raise UserError(
+            f"an actor asks for {num_gpus:g} GPU, the Ray cluster has "
+            f'{offered.get("GPU", 0.0):g}; set run.device = "cpu" or join a cluster with GPUs'
+        )
+
+
+_BUILTIN = ("CPU", "GPU", "memory", "object_store_memory")
+
+# Memory of one actor process before it holds any data: Python, torch and Ray's worker
+# (measured: ~175 MiB unique, ~280 MiB resident on Linux).
+PROCESS_BYTES = 200 * 2**20
+
+
+def check_capacity(num_processes: int, what: str) -> None:
+    """Fail at once when a run would start more processes than the cluster's memory can
+    hold (`what` names the settings that decide the count): thousands of shard or replica
+    processes would exhaust the machines long before training starts."""
+    import ray
+
+    from scaleout.errors import UserError
+
+    memory = ray.cluster_resources().get("memory", 0.0)
+    if memory and num_processes * PROCESS_BYTES > memory:
+        most = int(memory // PROCESS_BYTES)
+        raise UserError(
+            f"this run would start {num_processes} processes ({what}); the Ray cluster's "
+            f"memory ({memory / 2**30:.1f} GiB) holds about {most} (~{PROCESS_BYTES // 2**20} "
+            "MiB each before any data): use fewer, or join a larger cluster (run.address)"
+        )
+
+
 def spawn(
     actor_class: type,
     *args: Any,  # noqa: ANN401
@@ -40,6 +88,7 @@ def spawn(
     """
     import ray
 
+    check_resources(num_gpus, resource)
     options: dict[str, Any] = dict(num_cpus=num_cpus, max_restarts=max_restarts)
     if num_gpus:
         options["num_gpus"] = num_gpus

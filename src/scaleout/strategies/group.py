@@ -22,6 +22,7 @@ import torch
 
 from scaleout.comm import GroupMember, ProcessGroup
 from scaleout.runtime import cpu_share, kill, resolve_device, spawn
+from scaleout.runtime.actors import check_capacity, check_resources
 from scaleout.strategies.worker import Role, Worker
 from scaleout.train.job import Job
 
@@ -96,12 +97,15 @@ class ActorWorkers:
     ) -> None:
         self.label, self.where = label, where
         device = resolve_device(job.run.device)
+        num_gpus = 1.0 if device.type == "cuda" else 0.0
+        check_resources(num_gpus)  # Ray would wait for the placement group for minutes
+        check_capacity(world, f"{world} x {label}")
         self.group = ProcessGroup.create(
             actor_class,
             world,
             args=(job, role),
             num_cpus=num_cpus if num_cpus is not None else cpu_share(world),
-            num_gpus=1.0 if device.type == "cuda" else 0.0,
+            num_gpus=num_gpus,
             backend=backend,
             device=str(device),
             timeout_s=timeout_s,

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt
+import torch
+from pydantic import Field, PositiveInt
 
-from scaleout.config import Section
+from scaleout.config import Section, TimeoutSeconds
 from scaleout.errors import ConfigError
-from scaleout.parallel import PARTITIONABLE
+from scaleout.parallel import PARTITIONABLE, parallelize
 from scaleout.strategies.group import ActorWorkers
 from scaleout.strategies.lockstep import Lockstep, Workers
 from scaleout.strategies.worker import Role
@@ -37,25 +38,35 @@ class ModelParallelSection(Section):
     grid: Annotated[list[PositiveInt], Field(min_length=2, max_length=2)] = [1, 1]  # [px, py]
     transport: Literal["all_to_all", "p2p"] = "all_to_all"
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
-    timeout_s: PositiveFloat = 300.0  # a collective waiting longer than this fails
+    timeout_s: TimeoutSeconds = 300.0  # a collective waiting longer than this fails
 
     @property
     def num_workers(self) -> int:
         return self.grid[0] * self.grid[1]
 
 
-def check_partitionable(job: Job, strategy: str) -> None:
+def check_partitionable(job: Job, strategy: str, grid: list[int]) -> None:
     """A grid trains what `parallelize` can split and whose objective is a sum of the
     workers' parts (a layer-wise model such as the sparse autoencoder; a supervised loss
-    would need the whole output on one worker): one line naming the fix otherwise."""
+    would need the whole output on one worker), and the grid must fit the model's feature
+    maps: one line naming the fix otherwise, before any worker starts. The split is tried
+    on the driver with the model on PyTorch's meta device (shapes only)."""
     probe = job.probe
-    if probe is not None and not (probe.partitionable and probe.layerwise):
+    if probe is None:
+        return
+    if not (probe.partitionable and probe.layerwise):
         raise ConfigError(
             f'train.strategy = "{strategy}" with model parallelism trains a layer-wise model '
             f"that `scaleout.parallel.parallelize` partitions ({PARTITIONABLE}); the model "
             f'({job.model.name}) is not one: set model.kind = "sparse_autoencoder" or use '
             "another strategy"
         )
+    with torch.device("meta"):
+        model = job.model.build()
+    try:
+        parallelize(model, grid, rank=0)
+    except ValueError as err:
+        raise ConfigError(f"model_parallel.grid = {list(grid)}: {err}") from None
 
 
 class ModelParallel(Lockstep):
@@ -64,7 +75,7 @@ class ModelParallel(Lockstep):
     def __init__(self, job: Job) -> None:
         super().__init__(job)
         self.opts = job.section("model_parallel", ModelParallelSection)
-        check_partitionable(job, self.name)
+        check_partitionable(job, self.name, self.opts.grid)
 
     def role_options(self) -> dict[str, Any]:
         grid = self.opts.grid

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import PositiveFloat, PositiveInt
+from pydantic import PositiveInt
 
-from scaleout.config import Section
+from scaleout.config import Section, TimeoutSeconds
 from scaleout.errors import ConfigError
 from scaleout.strategies.group import ActorWorkers
 from scaleout.strategies.lockstep import Lockstep, Workers
@@ -54,7 +54,7 @@ class SyncSection(Section):
     mode: Literal["allreduce", "average"] = "allreduce"
     average_every: PositiveInt = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
-    timeout_s: PositiveFloat = 300.0  # a collective waiting longer than this fails
+    timeout_s: TimeoutSeconds = 300.0  # a collective waiting longer than this fails
 
 
 class Sync(Lockstep):
@@ -69,7 +69,18 @@ class Sync(Lockstep):
                 f"sync.num_workers = {self.opts.num_workers} (each worker trains on an equal "
                 "slice of the batch)"
             )
-        if job.probe is not None and job.probe.layerwise:
+        probe = job.probe
+        if (
+            probe is not None
+            and self.opts.num_workers > 1
+            and probe.train_size < job.train.batch_size
+        ):
+            raise ConfigError(
+                f"train.batch_size = {job.train.batch_size}: the training set has only "
+                f"{probe.train_size} examples, and sync splits every batch over "
+                f"{self.opts.num_workers} workers; use a batch of at most {probe.train_size}"
+            )
+        if probe is not None and probe.layerwise:
             raise ConfigError(
                 f'train.strategy = "sync" trains supervised models; model ({job.model.name}) '
                 'trains layer-wise: use strategy "single", "model_parallel" or "downpour"'

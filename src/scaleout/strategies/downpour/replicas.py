@@ -11,8 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 
+from scaleout.comm import WorkerDied
 from scaleout.progress import console
+from scaleout.runtime import describe_failure
 from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.group import ActorWorkers, Where, spawn_worker
 from scaleout.strategies.model_parallel import ModelParallelSection
@@ -66,8 +69,15 @@ class Replica:
         return self.group is None
 
     def wait_started(self) -> None:
+        """Wait until the replica has built its model and data; a replica that cannot start
+        stops the run with its own message (a user's error as itself)."""
         if self.started is not None:
-            ray.get(self.started)
+            try:
+                ray.get(self.started)
+            except (RayActorError, RayTaskError) as error:
+                raise WorkerDied(
+                    f"replica {self.id} failed while starting: {describe_failure(error)[:300]}"
+                ) from None
             self.started = None
 
     def submit(self, method: str, *args: Any) -> list[Any]:  # noqa: ANN401

@@ -44,6 +44,7 @@ from scaleout.errors import ConfigError, UserError
 from scaleout.metrics import truncate_metrics
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share
+from scaleout.runtime.actors import check_capacity
 from scaleout.strategies.downpour import DownpourSection
 from scaleout.strategies.downpour.failures import ReplicaFailures
 from scaleout.strategies.downpour.lanes import Lanes
@@ -66,7 +67,7 @@ class Downpour(ReplicaFailures):
         grid = job.section("model_parallel", ModelParallelSection)
         self.grid = grid if grid.num_workers > 1 else None
         if self.grid is not None:
-            check_partitionable(job, self.name)
+            check_partitionable(job, self.name, grid.grid)
             if self.opts.threads:
                 raise ConfigError(
                     "downpour.threads = true needs replicas of one worker: a model-parallel "
@@ -82,6 +83,12 @@ class Downpour(ReplicaFailures):
             raise ConfigError(
                 f"downpour.num_shards = {self.opts.num_shards} exceeds the model's "
                 f"{probe.num_parameters} parameters: use at most {probe.num_parameters}"
+            )
+        if probe is not None and probe.train_size < self.opts.num_replicas:
+            raise ConfigError(
+                f"downpour.num_replicas = {self.opts.num_replicas}: the training set has "
+                f"{probe.train_size} examples, and each replica trains on a part of its own; "
+                f"use at most {probe.train_size} replicas or more data"
             )
         self.run = RunDir(job.run_dir)
         num = self.opts.num_replicas
@@ -138,7 +145,13 @@ class Downpour(ReplicaFailures):
         self._wall_start = time.time() - elapsed
         self.pushes = Pushes(self.run.path / PUSHES_FILE, self._wall_start)
         workers = self.grid.num_workers if self.grid is not None else 1
-        self.replica_cpus = cpu_share(self.opts.num_replicas * workers)
+        opts = self.opts
+        check_capacity(
+            (opts.num_replicas + opts.num_shards) * workers,
+            f"downpour.num_replicas = {opts.num_replicas}, downpour.num_shards = "
+            f"{opts.num_shards}" + (f", {workers} grid workers each" if workers > 1 else ""),
+        )
+        self.replica_cpus = cpu_share(opts.num_replicas * workers)
         self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
         for replica in self.replicas:
             replica.wait_started()  # built, with its data
@@ -239,8 +252,9 @@ class Downpour(ReplicaFailures):
 
     def _active(self) -> list[int]:
         ready = [r for r in range(len(self.replicas)) if self.alive[r] and r not in self.starting]
-        if self.step < self.opts.warmstart_steps:
-            return [r for r in ready if r == 0]
+        if self.step < self.opts.warmstart_steps:  # the first replica alive trains alone
+            first = next(r for r in range(len(self.replicas)) if self.alive[r])
+            return [r for r in ready if r == first]
         return ready
 
     def _submit(self, replica_id: int, target: int, limit: int) -> None:

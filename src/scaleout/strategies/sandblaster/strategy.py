@@ -33,6 +33,7 @@ from scaleout.ps.layout import FlatParameters, shard_ranges
 from scaleout.ps.vectors import VectorShard
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share, describe_failure, kill, resolve_device, spawn
+from scaleout.runtime.actors import check_capacity
 from scaleout.strategies.sandblaster import SandblasterSection
 from scaleout.strategies.sandblaster.lbfgs import LbfgsState, ShardedVectors, lbfgs
 from scaleout.strategies.sandblaster.replica import SandblasterReplica
@@ -89,6 +90,11 @@ class Sandblaster:
         self.objective = Supervised(job.loss_fn(), is_classification(self.test_set))
         self.flat = FlatParameters(self.model)
         self.ranges = shard_ranges(self.flat.numel, self.opts.num_shards)
+        check_capacity(
+            self.opts.num_replicas + self.opts.num_shards,
+            f"sandblaster.num_replicas = {self.opts.num_replicas}, sandblaster.num_shards = "
+            f"{self.opts.num_shards}",
+        )
         self.shards = [
             spawn(VectorShard, i, stop - start, str(self.run.shards / f"shard_{i}"), num_cpus=0)
             for i, (start, stop) in enumerate(self.ranges)

@@ -1,0 +1,85 @@
+"""Every bad input the reliability issue lists is one line naming the setting, before any
+worker starts and before the run directory is touched; the extremes the property test
+(test_set_property.py) draws only small values for are checked here one by one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from scaleout.api import prepare
+from scaleout.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["data.num_train=512", "data.num_test=256", "train.steps=4", "train.batch_size=64"]
+
+
+def fails_before_writing(tmp_path: Path, config: str, *overrides: str) -> str:
+    """The one-line error `scaleout.fit` gives for `overrides`, checking nothing was written
+    (the run directory does not exist) and no strategy was built."""
+    out = tmp_path / "runs"
+    with pytest.raises(UserError) as raised:
+        prepare(REPO / config, overrides=[*TINY, f"run.out_dir='{out}'", *overrides]).train()
+    assert not out.exists() or not any(out.iterdir()), "the run wrote files before failing"
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "names"),
+    [
+        ("configs/mnist_downpour.toml", ["downpour.num_shards=2000000"], "downpour.num_shards"),
+        ("configs/mnist_downpour.toml", ["data.num_train=1"], "downpour.num_replicas"),
+        (
+            "configs/mnist_downpour.toml",
+            ["compress.codec='fp16'", "compress.block_size=64"],
+            "block_size",
+        ),
+        ("configs/autoencoder_model_parallel.toml", ["model_parallel.grid=[1,7]"], "grid"),
+        ("configs/mnist_sync.toml", ["sync.timeout_s=1e15"], "sync.timeout_s"),
+        ("configs/mnist_sync.toml", ["data.num_train=1"], "train.batch_size"),
+        ("configs/mnist_single.toml", ["train.lr=inf"], "train.lr"),
+        ("configs/mnist_single.toml", ["train.lr=nan"], "train.lr"),
+        ("configs/mnist_downpour.toml", ["downpour.num_replicas=1000000"], "num_replicas"),
+        ("configs/mnist_sandblaster.toml", ["sandblaster.num_shards=100000000"], "num_shards"),
+    ],
+)
+def test_validation_errors_before_any_worker(tmp_path, config, overrides, names):
+    assert names in fails_before_writing(tmp_path, config, *overrides)
+
+
+def test_custom_resource_no_node_offers_fails_in_seconds(ray_session, tmp_path):
+    """Ray would keep such an actor pending forever (the issue: killed after 150 s)."""
+    started = time.monotonic()
+    run = prepare(
+        REPO / "configs/mnist_downpour.toml",
+        overrides=[*TINY, f"run.out_dir='{tmp_path}'", "downpour.shard_resource='typo'"],
+    )
+    with pytest.raises(UserError, match="offers the resource 'typo'"):
+        run.train()
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "names"),
+    [
+        (
+            "configs/mnist_downpour.toml",
+            ["downpour.num_shards=5000", "model.sizes=[784, 16, 10]", "model.dropout=0.0"],
+            "downpour.num_shards = 5000",
+        ),
+        (
+            "configs/mnist_sync.toml",
+            ["sync.num_workers=4096", "train.batch_size=4096", "data.num_train=8192"],
+            "sync",
+        ),
+    ],
+)
+def test_more_processes_than_the_cluster_holds(ray_session, tmp_path, config, overrides, names):
+    run = prepare(REPO / config, overrides=[*TINY, f"run.out_dir='{tmp_path}'", *overrides])
+    with pytest.raises(UserError, match="processes") as raised:
+        run.train()
+    assert names in str(raised.value)
