@@ -3,6 +3,7 @@ problem against scipy's L-BFGS-B, exactly-once counting with backup tasks and wi
 killed mid-batch, and a restarted coordinator."""
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -14,6 +15,7 @@ import scipy.optimize
 
 from scaleout.api import prepare
 from scaleout.data import load_image_idx
+from scaleout.errors import UserError
 from scaleout.metrics import read_metrics
 from scaleout.ps import shard_ranges
 from scaleout.ps.vectors import VectorShard
@@ -228,3 +230,43 @@ def test_restarted_coordinator_resumes_from_the_shards(ray_session, tmp_path, ca
     result = resumed.train()
     assert result.step == 8 and "at step 4" in capsys.readouterr().err
     np.testing.assert_allclose(objectives(resumed.run_dir), objectives(straight.run_dir), rtol=1e-9)
+
+
+def test_resume_from_the_newest_snapshot_every_shard_holds(ray_session, tmp_path, capsys):
+    """A shard killed while saving snapshot k leaves the others at k: the run resumes from
+    k - 1, which every shard holds, and goes on exactly as an uninterrupted run."""
+    straight = sandblaster(tmp_path, "straight", iterations=8)
+    straight.train()
+    sandblaster(tmp_path, "split", iterations=4).train()
+    shard_dir = tmp_path / "runs" / "split" / "shards" / "shard_1"
+    newest = max(shard_dir.glob("step_*.json"))
+    newest.unlink()  # shard 1's newest snapshot never committed
+    resumed = sandblaster(tmp_path, "split", resume=True, iterations=8)
+    result = resumed.train()
+    assert result.step == 8 and "iteration 3 (snapshot 3)" in capsys.readouterr().err
+    np.testing.assert_allclose(objectives(resumed.run_dir), objectives(straight.run_dir), rtol=1e-9)
+
+
+def test_resume_without_shard_snapshots_is_one_line(ray_session, tmp_path):
+    sandblaster(tmp_path, "gone", iterations=2).train()
+    shutil.rmtree(tmp_path / "runs" / "gone" / "shards")
+    with pytest.raises(UserError, match="no L-BFGS snapshot in common"):
+        sandblaster(tmp_path, "gone", resume=True, iterations=4).train()
+
+
+def test_the_only_replica_killed_mid_batch_is_restarted(ray_session, tmp_path):
+    """One replica: while it computes the batch's only running portion it dies; the
+    coordinator restarts it and hands the portion out again (it used to wait on nothing)."""
+    reference = sandblaster(tmp_path, "reference", replicas=1, iterations=4)
+    reference.train()
+    run = sandblaster(tmp_path, "killed", replicas=1, iterations=4, portion=100)
+
+    def kill_once():
+        while run.strategy.batch_id < 3:
+            time.sleep(0.005)
+        os.kill(ray.get(run.strategy.replicas[0].pid.remote()), signal.SIGKILL)
+
+    threading.Thread(target=kill_once, daemon=True).start()
+    result = run.train()
+    assert result.summary["replica_failures"] == 1
+    np.testing.assert_allclose(objectives(run.run_dir), objectives(reference.run_dir), rtol=1e-10)

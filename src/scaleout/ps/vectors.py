@@ -12,8 +12,9 @@ batch with the incarnations whose portions it accepted. Pushes of a replica that
 mid-batch are thus dropped whole, and its portions recomputed by others: every example
 counts exactly once however replicas fail.
 
-Runs as a Ray actor; checkpoints every vector plus the coordinator's small state, so a
-restarted coordinator resumes from the shards.
+Runs as a Ray actor; checkpoints every vector plus the coordinator's small state as numbered
+snapshots (one per L-BFGS iteration, the coordinator's number), so a restarted coordinator
+resumes from the newest snapshot every shard holds.
 """
 
 from __future__ import annotations
@@ -42,18 +43,11 @@ class VectorShard:
         self.state: dict[str, Any] = {}  # the coordinator's scalars, saved with checkpoints
         self.wire = Wire()
         self.checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
-        self.saves = 0
-        self.restored = False
-        if self.checkpoints is not None and self.checkpoints.latest() is not None:
-            self._restore(self.checkpoints.latest())
 
-    def initialize(self, vectors: dict[str, np.ndarray]) -> bool:
-        """Set initial vectors (x, masks) unless restored from a checkpoint; True if set."""
-        if self.restored:
-            return False
+    def initialize(self, vectors: dict[str, np.ndarray]) -> None:
+        """Set initial vectors (x, masks)."""
         for name, values in vectors.items():
             self.vectors[name] = torch.from_numpy(np.array(values, dtype=np.float64))
-        return True
 
     # --- commands ------------------------------------------------------------------------
 
@@ -118,25 +112,25 @@ class VectorShard:
 
     # --- state ---------------------------------------------------------------------------
 
-    def checkpoint(self, state: dict[str, Any]) -> str | None:
+    def checkpoint(self, state: dict[str, Any], snapshot: int) -> str | None:
+        """Save every vector and the coordinator's `state` as snapshot `snapshot` (the
+        coordinator numbers them, so every shard's snapshot k is the same iteration)."""
         self.state = dict(state)
         if self.checkpoints is None:
             return None
-        self.saves += 1
         tensors = {f"v.{name}": t for name, t in self.vectors.items()}
         meta = {"shard": self.shard_id, "numel": self.numel, "state": self.state}
-        return str(self.checkpoints.save(self.saves, tensors, meta))
+        return str(self.checkpoints.save(snapshot, tensors, meta))
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "shard": self.shard_id,
-            "pid": os.getpid(),
-            "numel": self.numel,
-            "restored": self.restored,
-            "state": self.state,
-        }
+    def snapshots(self) -> list[int]:
+        """The snapshots on disk (the newest `keep`); a resume picks the newest that every
+        shard holds, so a shard killed while saving one does not strand the others."""
+        return self.checkpoints.steps() if self.checkpoints is not None else []
 
-    def _restore(self, path: Path) -> None:
+    def restore(self, snapshot: int) -> dict[str, Any]:
+        """Load snapshot `snapshot`; return the coordinator's state saved with it."""
+        assert self.checkpoints is not None
+        path = self.checkpoints.path(snapshot)
         tensors, meta = load_checkpoint(path)
         if meta["numel"] != self.numel:
             raise CheckpointError(
@@ -145,5 +139,7 @@ class VectorShard:
             )
         self.vectors = {k.removeprefix("v."): t.clone() for k, t in tensors.items()}
         self.state = meta["state"]
-        self.saves = int(path.stem.split("_")[1])
-        self.restored = True
+        return self.state
+
+    def info(self) -> dict[str, Any]:
+        return {"shard": self.shard_id, "pid": os.getpid(), "numel": self.numel}

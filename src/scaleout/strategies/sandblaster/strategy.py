@@ -66,6 +66,7 @@ class Sandblaster:
             )
         self.lbfgs_state = LbfgsState(history=self.opts.history)
         self.x_version = self.batch_id = 0
+        self.snapshot = 0  # the shards' newest snapshot
         self.examples = self.duplicates = 0
         self.failures: list[dict[str, Any]] = []
         self.incarnations = [0] * self.opts.num_replicas
@@ -110,47 +111,45 @@ class Sandblaster:
     # --- shards ----------------------------------------------------------------------------
 
     def _init_or_resume(self, resume: bool) -> dict[str, Any]:
-        """Give fresh shards x and the weight mask, or continue from their checkpoints."""
-        mask = torch.cat(
-            [
-                torch.full((e.numel,), 0.0 if e.name.endswith("bias") else 1.0)
-                for e in self.flat.entries
-            ]
-        )  # (P,) 1 where the L2 penalty applies
-        x = self.flat.params.detach().to("cpu", torch.float64)
-        fresh = ray.get(
-            [
-                shard.initialize.remote({"x": x[a:b].numpy(), "mask": mask[a:b].double().numpy()})
-                for shard, (a, b) in zip(self.shards, self.ranges, strict=True)
-            ]
-        )
-        if all(fresh):
-            if resume:
-                raise UserError(
-                    f"--resume: the shards in {self.run.shards} hold no checkpoint to continue "
-                    "the L-BFGS run from; start it again with --overwrite"
-                )
-            return {}
+        """Give fresh shards x and the weight mask, or continue from the newest snapshot
+        that every shard holds."""
+        held = ray.get([shard.snapshots.remote() for shard in self.shards])
         if not resume:
-            raise UserError(
-                f"{self.run.path} holds shard checkpoints: pass --resume or --overwrite"
+            if any(held):
+                raise UserError(
+                    f"{self.run.path} holds shard checkpoints: pass --resume or --overwrite"
+                )
+            mask = torch.cat(
+                [
+                    torch.full((e.numel,), 0.0 if e.name.endswith("bias") else 1.0)
+                    for e in self.flat.entries
+                ]
+            )  # (P,) 1 where the L2 penalty applies
+            x = self.flat.params.detach().to("cpu", torch.float64)
+            ray.get(
+                [
+                    shard.initialize.remote({"x": x[a:b].numpy(), "mask": mask[a:b].numpy()})
+                    for shard, (a, b) in zip(self.shards, self.ranges, strict=True)
+                ]
             )
-        if any(fresh):
+            return {}
+        common = set.intersection(*(set(snapshots) for snapshots in held))
+        if not common:
             raise UserError(
-                f"--resume: some shards in {self.run.shards} hold no checkpoint (the model "
-                "or sandblaster.num_shards changed?); start again with --overwrite"
+                f"--resume: the shards in {self.run.shards} hold no L-BFGS snapshot in common "
+                f"(each holds {held}; the model or sandblaster.num_shards changed, or the "
+                "files were removed), so the run cannot continue; start it again with "
+                "--overwrite"
             )
-        states = [info["state"] for info in ray.get([s.info.remote() for s in self.shards])]
-        if any(state != states[0] for state in states):
-            raise UserError(
-                f"the shards in {self.run.shards} were checkpointed at different "
-                "iterations; the run cannot resume consistently (start again with --overwrite)"
-            )
-        saved = states[0]
+        self.snapshot = max(common)
+        saved = ray.get([shard.restore.remote(self.snapshot) for shard in self.shards])[0]
         self.lbfgs_state = LbfgsState(**saved["lbfgs"])
         self.x_version, self.batch_id = saved["x_version"], saved["batch_id"]
         self.examples, self.duplicates = saved["examples"], saved["duplicates"]
-        console.print(f"the shards hold L-BFGS iteration {self.lbfgs_state.iteration}")
+        console.print(
+            f"the shards hold L-BFGS iteration {self.lbfgs_state.iteration} "
+            f"(snapshot {self.snapshot})"
+        )
         return {
             "step": self.lbfgs_state.iteration,
             "examples": self.examples,
@@ -166,7 +165,8 @@ class Sandblaster:
             "duplicates": self.duplicates,
             "time_s": self.now(),
         }
-        ray.get([shard.checkpoint.remote(state) for shard in self.shards])
+        self.snapshot += 1
+        ray.get([shard.checkpoint.remote(state, self.snapshot) for shard in self.shards])
 
     # --- replicas --------------------------------------------------------------------------
 
@@ -266,10 +266,13 @@ class Sandblaster:
             for r in range(len(self.replicas)):
                 assign(r)
             while len(winners) < len(bounds):
+                running = {p for _, b, p in self.running.values() if b == batch}
                 for portion in range(len(bounds)):  # lost with a dead replica and not running
-                    running = {p for _, b, p in self.running.values() if b == batch}
                     if portion not in winners and portion not in running and portion not in todo:
                         todo.append(portion)
+                for r in range(len(self.replicas)):  # a restarted replica takes one of them
+                    assign(r)
+                assert self.running, "portions left but no replica computes one"
                 (future,), _ = ray.wait(list(self.running), num_returns=1)
                 replica_id, future_batch, portion = self.running.pop(future)
                 key = self._key(replica_id)
