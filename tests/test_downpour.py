@@ -264,3 +264,40 @@ def test_one_replica_fetching_and_pushing_every_step_is_strategy_single(ray_sess
     weights = [k for k in reference if k.startswith("model.")]
     assert weights and all(torch.equal(ours[k], reference[k]) for k in weights)
     assert downpour.final_test_accuracy == single.final_test_accuracy
+
+
+def test_stuck_replica_is_restarted_by_the_watchdog(ray_session, tmp_path):
+    """A replica that stops making progress (SIGSTOP: alive, but silent) is killed after
+    downpour.timeout_s and restarted; the run completes."""
+    downpour = driver(write_config(tmp_path, steps=300, warmstart=0), "downpour.timeout_s=5")
+    frozen: list[int] = []
+
+    def freeze():
+        while downpour.strategy.step < 60:
+            time.sleep(0.05)
+        frozen.append(downpour.strategy.replicas[1].pid())
+        os.kill(frozen[0], signal.SIGSTOP)
+
+    threading.Thread(target=freeze, daemon=True).start()
+    started = time.monotonic()
+    result = downpour.train()
+    assert result.step == 300 and time.monotonic() - started < 120
+    assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 1
+    failure = load_checkpoint(downpour.run_dir.checkpoints.latest())[1]["failures"][0]
+    assert failure["kind"] == "stuck" and "downpour.timeout_s" in failure["message"]
+    deadline = time.monotonic() + 10  # the frozen process is ended, not left behind
+    while alive(set(frozen)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert frozen and not alive(set(frozen))
+
+
+def test_replica_0_lost_for_good_during_warm_start_hands_it_to_the_next(ray_session, tmp_path):
+    """Warm start trains one replica alone; when replica 0 fails for good there, the next
+    replica alive goes on (the run used to end early, with exit status 0)."""
+    downpour = driver(write_config(tmp_path, steps=200, warmstart=150), "downpour.max_restarts=0")
+    kill_when(downpour, 40, lambda: downpour.strategy.replicas[0].pid())
+    result = downpour.train()
+    assert result.step == 200
+    assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 0
+    pushes = read_metrics(downpour.run_dir.path / PUSHES_FILE)
+    assert {p["replica"] for p in pushes if 60 < p["step"] < 150} == {1}

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
 
-from scaleout.config import Section
+from scaleout.config import Section, TimeoutSeconds
 from scaleout.train.job import Job
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ class DownpourSection(Section):
     warmstart_steps: NonNegativeInt = 0  # one replica trains alone this long first
     threads: bool = False  # fetch, compute and push in three weakly synchronised threads
     max_restarts: NonNegativeInt = 3  # per replica; a shard is always restarted
+    timeout_s: TimeoutSeconds = 300.0  # a replica whose chunk takes longer is stuck: restarted
     shard_checkpoint_every: PositiveInt | None = 500  # shard updates between checkpoints
     shard_checkpoint_seconds: PositiveFloat | None = 30.0  # or seconds, whichever first
     # Custom Ray resources that pin shards / replicas to the nodes that offer them (start

@@ -43,7 +43,13 @@ class ReplicaFailures:
         def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]: ...
 
     def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
-        kind = "died" if isinstance(error, RayActorError) else "raised"
+        kind = (
+            "died"
+            if isinstance(error, RayActorError)
+            else "stuck"
+            if isinstance(error, TimeoutError)
+            else "raised"
+        )
         message = describe_failure(error)  # a user error in a replica stops the run
         self.steps_lost += steps
         replica = self.replicas[replica_id]

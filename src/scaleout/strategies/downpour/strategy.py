@@ -102,6 +102,7 @@ class Downpour(ReplicaFailures):
         self.phase = -1
         self.step = self.assigned = self.examples = 0
         self.in_flight: dict[int, tuple[list[Any], int]] = {}  # replica -> (futures, steps)
+        self.submitted_at: dict[int, float] = {}  # replica -> when its chunk started
         self.starting: dict[int, list[Any]] = {}  # restarted replica -> what it waits for
         self.placement: dict[str, list[str]] = {}
         self.weights: Tensors | None = None  # layer-wise: the whole model at the phase's start
@@ -266,6 +267,7 @@ class Downpour(ReplicaFailures):
             return
         futures = self.replicas[replica_id].submit("train_chunk", steps)
         self.in_flight[replica_id] = (futures, steps)
+        self.submitted_at[replica_id] = time.monotonic()
         self.assigned += steps
 
     def train(self, num_steps: int, stop: Callable[[], bool]) -> Chunk:
@@ -307,6 +309,7 @@ class Downpour(ReplicaFailures):
         starting = [f for futures in self.starting.values() for f in futures]
         ready, _ = ray.wait(list(owner) + starting, num_returns=1, timeout=1.0)
         self._settle_starting(wait=False)
+        self._watch(chunk)
         for future in ready:
             replica_id = owner.get(future)
             if replica_id is None or replica_id not in self.in_flight:
@@ -323,6 +326,20 @@ class Downpour(ReplicaFailures):
                 self._replica_failed(replica_id, steps, error)
                 continue
             self._take(replica_id, outs, chunk)
+
+    def _watch(self, chunk: Chunk) -> None:
+        """The watchdog: a replica whose chunk (at most `CHUNK_STEPS` steps) has made no
+        progress for `downpour.timeout_s` is stuck (a hung process, a lost node): it is
+        killed and treated as failed, so it is restarted like a replica that died."""
+        now, limit = time.monotonic(), self.opts.timeout_s
+        for replica_id in list(self.in_flight):
+            if now - self.submitted_at[replica_id] <= limit:
+                continue
+            _, steps = self.in_flight.pop(replica_id)
+            self.assigned -= steps
+            self._replica_failed(
+                replica_id, steps, TimeoutError(f"no progress for {limit:g} s (downpour.timeout_s)")
+            )
 
     def _take(self, replica_id: int, outs: list[dict[str, Any]], chunk: Chunk) -> None:
         out = outs[0]  # a grid's sums are reduced over it
