@@ -5,6 +5,15 @@ variables (LOCAL_RANK too), so code written against it runs unchanged under `tor
 inside our Ray actors. The backend follows the device: NCCL when the process trains on a
 CUDA device, gloo otherwise.
 
+A group whose MASTER_ADDR is a loopback address (127.0.0.1, ::1, localhost: all ranks on
+this machine, as in `run_locally` and under embedded Ray, whose node address is 127.0.0.1)
+listens on loopback only: rank 0's TCPStore is handed a socket bound to MASTER_ADDR (torch
+binds its own to every interface whatever the host), and gloo gets the loopback interface
+(GLOO_SOCKET_IFNAME, unless set; otherwise gloo binds the address the host name resolves
+to). Under torchrun the agent's store is torchrun's, and NCCL's own bootstrap sockets follow
+NCCL_SOCKET_IFNAME: both are left as they are. Across hosts nothing of this is authenticated
+or encrypted (see the README).
+
 `ProcessGroup.create(actor_class, num_workers, ...)` brings up a group of Ray actors:
 
 1. a placement group reserves one bundle per rank (PACK: on as few nodes as possible, so
@@ -21,6 +30,7 @@ Actor classes mix in `GroupMember` for the methods the bring-up calls.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -82,27 +92,106 @@ def init_distributed(
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         options: dict[str, Any] = {}
         if backend == "nccl" and device is not None:
             chosen = torch.device(device)
             if chosen.index is None:  # Ray / torchrun made the worker's GPU the current one
                 chosen = torch.device("cuda", torch.cuda.current_device())
             options["device_id"] = chosen
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **options,
-        )
+        host = os.environ["MASTER_ADDR"]
+        store = None
+        if _is_loopback(host):
+            _gloo_on_loopback()
+            store = _loopback_store(rank, world, host, int(os.environ["MASTER_PORT"]), timeout)
+        if store is None:
+            options["init_method"] = "env://"
+        else:
+            options["store"] = store
+        try:
+            dist.init_process_group(
+                backend, rank=rank, world_size=world, timeout=timeout, **options
+            )
+        except BaseException:
+            _restore_env()
+            raise
     return rank, world
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` is this machine's loopback (a literal address, or "localhost"); a host
+    name that merely resolves to one here may name another machine elsewhere."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+_env_set_here: list[str] = []  # variables init_distributed set, unset by destroy_distributed
+
+
+def _gloo_on_loopback() -> None:
+    """gloo's default device binds the address the host name resolves to (the LAN address on
+    most machines): name the loopback interface instead, unless the user chose one."""
+    interface = _loopback_interface()
+    if interface is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        _env_set_here.append("GLOO_SOCKET_IFNAME")
+
+
+def _restore_env() -> None:
+    while _env_set_here:
+        os.environ.pop(_env_set_here.pop(), None)
+
+
+def _loopback_store(
+    rank: int, world: int, host: str, port: int, timeout: datetime.timedelta
+) -> dist.TCPStore | None:
+    """The group's TCPStore at `host`:`port`, rank 0 serving it on a socket bound to `host`
+    only (`master_listen_fd`). None under torchrun, whose agent already serves the store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    host = "127.0.0.1" if host.strip().lower() == "localhost" else host.strip("[]")
+    use_libuv = os.environ.get("USE_LIBUV", "1") == "1"  # as torch's env:// rendezvous
+    if rank != 0:
+        return dist.TCPStore(host, port, world, False, timeout, use_libuv=use_libuv)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        raise dist.DistNetworkError(
+            f"cannot serve the process group's store on {host}:{port}: {err.strerror or err}"
+        ) from None
+    return dist.TCPStore(
+        host,
+        port,
+        world,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),  # the store owns and closes it
+        use_libuv=use_libuv,
+    )
 
 
 def destroy_distributed() -> None:
     """Leave the default process group, if this process is in one."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        _restore_env()
 
 
 def join_group(rank: int, world: int, address: str, port: int, **options: Any) -> int:

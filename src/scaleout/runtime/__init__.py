@@ -2,11 +2,22 @@
 
 `connect()` with no address starts a new Ray instance inside this process's session, sized
 to the machine, with no dashboard and quiet logs (`ray.init(address="local")`: a plain
-`ray.init()` may attach to a stale cluster left by an earlier `ray start`). An address
-(`"auto"`, `"host:port"`) joins a running cluster; token authentication stays on there
-(`RAY_AUTH_MODE=token` unless the user chose otherwise; see the README). `session()` wraps
-either in a context manager that shuts down what it started on exit, on Ctrl-C and on
-errors, so no process outlives a run.
+`ray.init()` may attach to a stale cluster left by an earlier `ray start`). Its node address
+is 127.0.0.1, so the GCS, the raylet, the agents and every worker listen on loopback only
+(Ray turns a 127.0.0.1 node address into the host's routable one unless it runs without
+clusters, as on macOS: `security.loopback_node`). Ray protects it with a token of its own making
+(`~/.ray/auth_token`, generated if missing); nothing is asked of the user.
+
+An address (`"auto"`, `"host:port"`) joins a running cluster; token authentication stays on
+there (`RAY_AUTH_MODE=token` unless the user chose otherwise; see the README). Ray reads its
+config when it is imported, so setting the variable is not enough: `security.token_auth` refreshes
+Ray's config (as Ray itself does), checks that a token is there, and tries it against the
+cluster's GCS once, so a missing or rejected token is one line at once rather than twenty
+seconds of retries ending in "failed to connect" (and an address where something other than
+a GCS listens, one line after 40 s rather than twenty such waits).
+
+`session()` wraps either in a context manager that shuts down what it started on exit, on
+Ctrl-C and on errors, so no process outlives a run.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from dataclasses import dataclass
 from scaleout.errors import UserError
 from scaleout.runtime.actors import cpu_share, kill, spawn
 from scaleout.runtime.device import resolve_device
+from scaleout.runtime.security import is_auth_failure, loopback_node, token_auth, token_rejected
 
 __all__ = [
     "Runtime",
@@ -60,12 +72,19 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> Runtime:
         configure_logging=True,
     )
     if address is None:
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), **quiet)
+        with loopback_node():
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), **quiet)
     else:
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        from ray.exceptions import AuthenticationError
+
+        token_auth(address)
         try:
             ray.init(address=address, **quiet)
+        except AuthenticationError:
+            raise UserError(token_rejected(address)) from None
         except (ConnectionError, RuntimeError, ValueError) as err:
+            if is_auth_failure(err):
+                raise UserError(token_rejected(address)) from None
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UserError(
                 f"cannot join the Ray cluster at {address!r}: {first}; check the address "
