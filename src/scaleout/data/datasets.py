@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from scaleout.data.idx import read_idx
 from scaleout.data.loader import derive_seed
+from scaleout.data.npyfile import check_npz_members
 from scaleout.errors import DataError
 
 __all__ = [
@@ -203,7 +204,9 @@ def load_npz(
     """A split of a .npz file holding x_train, y_train, x_test, y_test (by default).
 
     Keys may contain `{split}`, which is replaced by `split`. Pickled object arrays are
-    refused: an .npz from elsewhere must not be able to run code.
+    refused: an .npz from elsewhere must not be able to run code. The two arrays' headers
+    and sizes are checked before they are decompressed (`check_npz_members`), so a
+    compressed bomb is refused, not expanded.
     """
     path = Path(path)
     xk, yk = x_key.format(split=split), y_key.format(split=split)
@@ -218,6 +221,7 @@ def load_npz(
                         f"{path} has no array {key!r} (it holds {present}); set the keys or "
                         f"save the {split} split under {xk!r} and {yk!r}."
                     )
+            check_npz_members(npz.zip, path, [xk, yk])  # before anything is decompressed
             x_np, y_np = npz[xk], npz[yk]
     except DataError:
         raise

@@ -13,11 +13,20 @@ tells the data set its epoch with `set_epoch` before each epoch's worker process
 A batch is assembled by `__getitems__` straight into one tensor; inside a loader worker
 process that tensor is allocated in shared memory, so handing it to the training process
 moves a file descriptor, not the pixels.
+
+Every input is checked before it is expanded, and a bad one is a one-line `DataError` naming
+the file and the fix, not a traceback from inside Pillow or numpy: an image's pixel count is
+read from its header and refused over Pillow's decompression-bomb limit before it is decoded;
+a truncated or corrupt image, or one of a different size from the rest, names the file; and
+a .npy file's header is checked against the file's size before it is memory-mapped.
 """
 
 from __future__ import annotations
 
 import copy
+import struct
+import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +34,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from scaleout.data.loader import derive_seed
+from scaleout.data.npyfile import check_npy
 from scaleout.errors import DataError
 
 __all__ = [
@@ -33,12 +43,14 @@ __all__ = [
     "ImageFolderDataset",
     "NpyDataset",
     "check_image_data",
+    "decode_image",
     "write_image_folder",
 ]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 _MEAN_SAMPLES = 1000  # training images averaged into the mean image
 _NPY_FILES = ("x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy")
+_DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's default Image.MAX_IMAGE_PIXELS, if it is unset
 
 
 class ImageDataset(Dataset):
@@ -82,6 +94,10 @@ class ImageDataset(Dataset):
         """Image `index` as float32 (C, H, W) in [0, 1]."""
         raise NotImplementedError
 
+    def describe(self, index: int) -> str:
+        """Where example `index` comes from, for error messages."""
+        return f"example {index}"
+
     # --- preprocessing --------------------------------------------------------------------
 
     @property
@@ -98,6 +114,14 @@ class ImageDataset(Dataset):
             image = torch.nn.functional.interpolate(
                 image[None], size=(self.image_size,) * 2, mode="bilinear", antialias=True
             )[0]
+        stored = getattr(self, "stored_shape", None)  # unset while the first image is read
+        if stored is not None and tuple(image.shape) != stored:
+            # Without this a batch fails deep in torch with a shape-mismatch traceback.
+            raise DataError(
+                f"{self.describe(index)} is {image.shape[2]}x{image.shape[1]} pixels, but the "
+                f"first image is {stored[2]}x{stored[1]}; set data.image_size to resize all "
+                "images to one size, or remove it"
+            )
         return image
 
     def compute_mean(self) -> torch.Tensor:
@@ -182,11 +206,11 @@ class ImageFolderDataset(ImageDataset):
         super().__init__(np.array(labels), len(self.classes), train=split == "train", **kw)  # type: ignore[arg-type]
 
     def raw(self, index: int) -> torch.Tensor:
-        from PIL import Image
-
-        with Image.open(self.files[index]) as image:
-            pixels = np.array(image.convert("RGB"))  # (H, W, 3) uint8
+        pixels = decode_image(self.files[index])  # (H, W, 3) uint8
         return torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255.0)
+
+    def describe(self, index: int) -> str:
+        return f"image {self.files[index]}"
 
 
 class NpyDataset(ImageDataset):
@@ -195,10 +219,13 @@ class NpyDataset(ImageDataset):
 
     def __init__(self, root: str | Path, split: str, **kw: object) -> None:
         root = Path(root)
+        x_file, y_file = root / f"x_{split}.npy", root / f"y_{split}.npy"
+        check_npy(x_file)  # a truncated file must not be mapped, nor a huge shape allocated
+        check_npy(y_file)
         try:
-            self.x = np.load(root / f"x_{split}.npy", mmap_mode="r", allow_pickle=False)
-            labels = np.load(root / f"y_{split}.npy", allow_pickle=False)
-        except (OSError, ValueError) as err:
+            self.x = np.load(x_file, mmap_mode="r", allow_pickle=False)
+            labels = np.load(y_file, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
             raise DataError(f"cannot read the {split} arrays in {root}: {err}") from None
         if self.x.ndim != 4 or labels.ndim != 1 or len(labels) != len(self.x):
             raise DataError(
@@ -231,6 +258,57 @@ def check_image_data(kind: str, path: Path) -> None:
         missing = [name for name in _NPY_FILES if not (Path(path) / name).is_file()]
         if missing:
             raise DataError(f"data.path {path} lacks {', '.join(missing)}")
+        for name in _NPY_FILES:  # headers only: cheap enough to do when the config is read
+            check_npy(Path(path) / name)
+
+
+def decode_image(path: Path) -> np.ndarray:
+    """The image file at `path` as (H, W, 3) uint8 RGB, decoded with Pillow.
+
+    The pixel count is taken from the header and refused over Pillow's limit
+    (`PIL.Image.MAX_IMAGE_PIXELS`, its default when unset) before anything is decoded, so a
+    small file that declares a huge image cannot take the memory. Pillow's own bomb check
+    raises (over twice the limit) or warns (over the limit); both become `DataError`, as does
+    any decoding failure, naming the file.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    limit = Image.MAX_IMAGE_PIXELS or _DEFAULT_MAX_PIXELS
+    try:
+        with warnings.catch_warnings():
+            # The warning case is refused below, with the image's size in the message.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+                if width * height > limit:
+                    raise DataError(
+                        f"image {path} has {width} x {height} pixels, more than the limit of "
+                        f"{limit} (a decompression bomb?); remove it or shrink it"
+                    )
+                return np.array(image.convert("RGB"))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise DataError(
+            f"image {path} is too large to decode, a decompression bomb? ({e}); remove it or "
+            f"shrink it below {limit} pixels"
+        ) from None
+    except DataError:
+        raise
+    except UnidentifiedImageError:
+        raise DataError(
+            f"image {path} is not an image Pillow can read (truncated, corrupt or another "
+            "format); remove or re-encode it"
+        ) from None
+    except OSError as e:
+        if e.errno is not None:  # the file system's error, not the decoder's
+            raise DataError(f"image {path} cannot be read ({e}); check it") from None
+        raise DataError(
+            f"image {path} is truncated or corrupt ({e}); remove or re-encode it"
+        ) from None
+    except (SyntaxError, ValueError, EOFError, struct.error, zlib.error) as e:
+        raise DataError(
+            f"image {path} is truncated or corrupt ({type(e).__name__}: {e}); remove or "
+            "re-encode it"
+        ) from None
 
 
 def write_image_folder(
