@@ -218,8 +218,17 @@ class Run:
     uses_ray: bool
 
     def train(self) -> TrainResult:
-        with session(self.job.run.address) if self.uses_ray else nullcontext():
-            return Driver(self.strategy, self.job, self.run_dir, self.resume).run_training()
+        try:
+            with session(self.job.run.address) if self.uses_ray else nullcontext():
+                return Driver(self.strategy, self.job, self.run_dir, self.resume).run_training()
+        finally:
+            self.close()  # after the session: no actor of this run writes the directory now
+
+    def close(self) -> None:
+        """Give the run directory back: release its lock and, if training never started,
+        put back the previous run that `overwrite` set aside. `train()` ends with this; a
+        `Run` that is not trained is closed when garbage-collected, or call it."""
+        self.run_dir.close()
 
 
 def prepare(
@@ -234,7 +243,8 @@ def prepare(
 ) -> Run:
     """Everything `fit` does before training: validate the config, run the factories once
     (a bad one fails here, as one line), check the strategy's options, and prepare the run
-    directory (only then is anything of an earlier run deleted, with `overwrite`)."""
+    directory: lock it for this run and, with `overwrite`, set the earlier run aside (it is
+    deleted once training starts, put back if it never does)."""
     run_config = _as_config(config, overrides)
     source = str(config) if isinstance(config, str | os.PathLike) else "config"
     job = build_job(run_config, model, data, loss, source)
@@ -246,6 +256,11 @@ def prepare(
     run_dir = RunDir.prepare(
         job.run_dir, job.record, run_config.train.keep_checkpoints, resume, overwrite
     )
+    if run_dir.recovered:
+        console.print(
+            f"put back the previous run in {run_dir.path}: an --overwrite killed before it "
+            "started training had set it aside"
+        )
     console.print(f"[bold]{job.run.name}[/]: strategy {spec.name}, writing {run_dir.path}")
     return Run(job, strategy, run_dir, resume, spec.uses_ray)
 

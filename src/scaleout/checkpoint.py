@@ -11,6 +11,7 @@ a checkpoint from an untrusted source cannot run code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from scaleout.errors import CheckpointError
+from scaleout.errors import CheckpointError, DiskError
 
 FORMAT = "scaleout.checkpoint/1"
 _STEM = re.compile(r"^step_(\d{8,})\.json$")
@@ -38,8 +40,10 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    except BaseException:
+        with contextlib.suppress(OSError):  # keep the write's own error, not the clean-up's
+            tmp.unlink(missing_ok=True)
+        raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)
@@ -63,7 +67,7 @@ def save_checkpoint(stem: Path, tensors: dict[str, torch.Tensor], meta: dict[str
     """Write `<stem>.safetensors` and then `<stem>.json`; return the sidecar's path."""
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     tensor_path = stem.with_suffix(".safetensors")
-    atomic_write(tensor_path, lambda tmp: save_file(cpu, str(tmp)))
+    atomic_write(tensor_path, lambda tmp: _save_tensors(cpu, tmp))
     meta = json.loads(json.dumps(meta))  # JSON types only, so the checksum is reproducible
     sidecar = {
         "format": FORMAT,
@@ -75,6 +79,18 @@ def save_checkpoint(stem: Path, tensors: dict[str, torch.Tensor], meta: dict[str
     json_path = stem.with_suffix(".json")
     atomic_write(json_path, lambda tmp: tmp.write_text(json.dumps(sidecar, indent=1)))
     return json_path
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`save_file`, with its I/O failures as the `OSError` they are: safetensors reports a
+    full disk as `SafetensorError('... No space left on device (os error 28)')`."""
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from err
 
 
 def load_checkpoint(json_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -163,9 +179,25 @@ class CheckpointDir:
         return self.path(steps[-1]) if steps else None
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-        for stale in self.directory.glob(".*.tmp"):  # left by a process killed mid-write
-            stale.unlink(missing_ok=True)
-        path = save_checkpoint(self.path(step).with_suffix(""), tensors, meta)
+        """Write checkpoint `step`, then drop all but the newest `keep`. A write that fails
+        (full disk, no permission) raises a one-line `DiskError` naming the file; it leaves
+        the earlier checkpoints as they were and no tensor file without its sidecar."""
+        stem = self.path(step).with_suffix("")
+        try:
+            for stale in self.directory.glob(".*.tmp"):  # left by a process killed mid-write
+                stale.unlink(missing_ok=True)
+            path = save_checkpoint(stem, tensors, meta)
+        except OSError as err:
+            if not self.path(step).exists():  # no sidecar, no checkpoint: drop the orphan
+                with contextlib.suppress(OSError):
+                    stem.with_suffix(".safetensors").unlink(missing_ok=True)
+            earlier = [s for s in self.steps() if s < step]
+            note = (
+                f"the previous checkpoint {self.path(earlier[-1])} is intact"
+                if earlier
+                else "no earlier checkpoint was written"
+            )
+            raise DiskError.writing("checkpoint", stem, err, note) from None
         for old in self.steps()[: -self.keep]:
             self.path(old).unlink(missing_ok=True)  # sidecar first: it is the commit point
             self.path(old).with_suffix(".safetensors").unlink(missing_ok=True)

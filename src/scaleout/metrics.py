@@ -9,13 +9,14 @@ is written, so a killed run keeps everything up to its last step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 from typing import Any, TextIO
 
 from scaleout.checkpoint import atomic_write
-from scaleout.errors import ConfigError
+from scaleout.errors import ConfigError, DiskError
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -29,13 +30,26 @@ class MetricsLog:
 
     def __init__(self, path: Path, tensorboard: Path | None = None) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DiskError.writing("metrics", path, err) from None
         self._writer = tensorboard_writer(tensorboard) if tensorboard is not None else None
-        self._file: TextIO = open(path, "a")  # noqa: SIM115 - closed by close()
+        try:
+            self._file: TextIO = open(path, "a")  # noqa: SIM115 - closed by close()
+        except OSError as err:
+            if self._writer is not None:
+                self._writer.close()
+            raise DiskError.writing("metrics", path, err) from None
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        """Append one line; a full disk raises a one-line `DiskError` (the lines before stay:
+        a torn last line is skipped when read)."""
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as err:
+            raise DiskError.writing("metrics", self.path, err) from None
         if self._writer is not None:
             step = record.get("step", 0)
             for key, value in record.items():
@@ -45,7 +59,8 @@ class MetricsLog:
             self._writer.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # a flush that fails again (full disk): said already
+            self._file.close()
         if self._writer is not None:
             self._writer.close()
 
@@ -79,7 +94,10 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     kept = "".join(
         json.dumps(r) + "\n" for r in read_metrics(path) if r.get("step", 0) <= last_step
     )
-    atomic_write(path, lambda tmp: tmp.write_text(kept))
+    try:
+        atomic_write(path, lambda tmp: tmp.write_text(kept))
+    except OSError as err:
+        raise DiskError.writing("metrics", path, err, f"{path} is as it was") from None
 
 
 def tensorboard_writer(directory: Path) -> Any:  # noqa: ANN401 - a SummaryWriter

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.checkpoint import load_checkpoint
-from scaleout.errors import CheckpointError, UserError
+from scaleout.errors import CheckpointError, DiskError, UserError
 from scaleout.interrupt import StopOnInterrupt
 from scaleout.metrics import MetricsLog, plot_terms, read_metrics, truncate_metrics
 from scaleout.progress import TrainingProgress, console
@@ -141,6 +141,17 @@ class Driver:
         return record
 
     def _save(self, record: dict[str, Any]) -> None:
+        """Write a checkpoint; a full disk (here or on a parameter-server shard, which
+        checkpoints with it) stops the run with one line saying how to go on."""
+        try:
+            self._write_checkpoint(record)
+        except DiskError as err:
+            again = "--resume" if self.run.checkpoints.latest() else "start the run again"
+            raise DiskError(
+                f"{err}; the run stopped at step {self.step}: fix it, then {again}"
+            ) from None
+
+    def _write_checkpoint(self, record: dict[str, Any]) -> None:
         assert self.plan is not None
         tensors, meta = self.strategy.state()
         meta.update(
@@ -173,6 +184,9 @@ class Driver:
             meta = resume.meta
             self.step, self.examples, self.elapsed = meta["step"], meta["examples"], meta["time_s"]
         counters = self.strategy.start(resume)
+        # Started: only now, before the first metrics line or checkpoint, is the previous run
+        # that --overwrite set aside deleted (a failure up to here puts it back).
+        self.run.commit()
         self.step = counters.get("step", self.step)
         self.examples = counters.get("examples", self.examples)
         self.elapsed = counters.get("time_s", self.elapsed)
@@ -205,7 +219,11 @@ class Driver:
                     if reached(cfg.target_accuracy, record):
                         total = self.step
                 bar_fields = record.pop("_bar", {})  # for the progress bar only
-                log.log(record)
+                try:
+                    log.log(record)
+                except DiskError as err:
+                    stopped_at = self.run.stopped_at(self.step)
+                    raise DiskError(f"{err}; the run stopped {stopped_at}") from None
                 show_progress(bar, record, bar_fields)
 
             while self.step < total and not interrupt.requested and stopped is None:
