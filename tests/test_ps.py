@@ -138,10 +138,8 @@ def test_server_on_ray_pull_push_and_shard_restart(ray_session, tmp_path):
         out = torch.empty(10)
         versions, received = server.pull_into(out)
         assert torch.equal(out, initial) and versions == [0, 0, 0] and received == 40
-        futures, sent = server.push(torch.ones(10), versions)
-        import ray
-
-        assert ray.get(futures) == [(1, 0)] * 3 and sent == 40
+        pushes, sent = server.push(torch.ones(10), versions)
+        assert server.settle(pushes) == [(1, 0)] * 3 and sent == 40
         torch.testing.assert_close(server.values(), initial - 1)
         # SIGKILL one shard: Ray restarts it and it resumes from its checkpoint.
         pid = server.info()[1]["pid"]

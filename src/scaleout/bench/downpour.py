@@ -119,10 +119,10 @@ class _PushPullWorker:
         while time.perf_counter() - start < seconds:
             versions, received = self.server.pull_into(self.params)
             if pending is not None:
-                ray.get(pending)
+                self.server.settle(pending)
             pending, sent = self.server.push(self.grad, versions)
             updates, moved = updates + 1, moved + received + sent
-        ray.get(pending)
+        self.server.settle(pending)
         return updates, moved, time.perf_counter() - start
 
 

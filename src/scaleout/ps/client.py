@@ -40,11 +40,10 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayActorError
 from torch import nn
 
 from scaleout.ps.layout import FlatParameters
-from scaleout.ps.server import ParameterServer
+from scaleout.ps.server import ParameterServer, Push
 
 Params = Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]]
 Hook = Callable[[], None]
@@ -86,7 +85,8 @@ class ReplicaClient:
         self.staleness: list[float] = []
         self._received = 0  # bytes pulled since the last push record
         self._seconds = {"fetch": 0.0, "push": 0.0}
-        self._pending: list[tuple[list[Any], dict[str, Any]]] = []
+        self._pending: list[tuple[list[tuple[ParameterServer, list[Push]]], dict[str, Any]]] = []
+        self._lost_reported = 0
         self._records: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # the push thread appends records, `take_records` takes
         self._pipeline: _Pipeline | None = _Pipeline(self) if threads else None
@@ -158,36 +158,37 @@ class ReplicaClient:
     def _send(
         self, grads: list[torch.Tensor], versions: list[list[int]], record: dict[str, Any]
     ) -> None:
-        futures, sent = [], 0
+        pushes, sent = [], 0
         for lane, grad, version in zip(self.lanes, grads, versions, strict=True):
-            lane_futures, lane_sent = lane.server.push(grad, version)
-            futures += lane_futures
+            lane_pushes, lane_sent = lane.server.push(grad, version)
+            pushes.append((lane.server, lane_pushes))
             sent += lane_sent
         record.update(bytes_sent=sent, bytes_received=self._received)
         self._received = 0
         self.stats["pushes"] += 1
         self.stats["bytes_sent"] += sent
-        self._pending.append((futures, record))
+        self._pending.append((pushes, record))
 
     def _collect(self, wait: bool) -> None:
-        """Turn finished pushes into records: staleness per shard, or lost if a shard died."""
+        """Turn applied pushes into records: staleness per shard, and the updates this
+        client had acknowledged that a shard lost (a shard that died is replaced by its
+        backup, or restarted by Ray from its checkpoint, and the push sent again)."""
         still = []
-        for futures, record in self._pending:
+        for pushes, record in self._pending:
+            futures = [push.future for _, lane_pushes in pushes for push in lane_pushes]
             if not wait and not all(_ready(f) for f in futures):
-                still.append((futures, record))
+                still.append((pushes, record))
                 continue
-            staleness, lost = [], 0
-            for future in futures:
-                try:
-                    _, stale = ray.get(future)
-                    staleness.append(stale)
-                except RayActorError:
-                    lost += 1  # the shard died before applying it
+            staleness = [
+                stale for server, lane_pushes in pushes for _, stale in server.settle(lane_pushes)
+            ]
+            lost = sum(lane.server.updates_lost for lane in self.lanes)
             record.update(
                 staleness=sum(staleness) / len(staleness) if staleness else None,
                 staleness_max=max(staleness) if staleness else None,
-                shards_lost=lost,
+                updates_lost=lost - self._lost_reported,
             )
+            self._lost_reported = lost
             self.staleness += staleness
             with self._lock:
                 self._records.append(record)
@@ -196,7 +197,7 @@ class ReplicaClient:
     def take_records(self) -> list[dict[str, Any]]:
         """The records of the pushes applied since the last call (`t`: wall time of the push,
         `bytes_sent`, `bytes_received`, `fetch_s` and `push_s` spent since the previous one,
-        `staleness` (mean over shards), `staleness_max`, `shards_lost`, and the `info`)."""
+        `staleness` (mean over shards), `staleness_max`, `updates_lost`, and the `info`)."""
         with self._lock:
             records, self._records = self._records, []
         return records

@@ -9,20 +9,25 @@ The object is small and serialisable, so the driver hands it to every replica.
 
 from __future__ import annotations
 
+import threading
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from scaleout.compress import CompressSection
+from scaleout.errors import UserError
 from scaleout.nn.optim import OptimizerOptions
+from scaleout.ps.backup import BackupKeeper, BackupPolicy
 from scaleout.ps.layout import shard_ranges
-from scaleout.ps.shard import ParameterShard
+from scaleout.ps.shard import ParameterShard, ShardLost
 from scaleout.ps.wire import Wire
 from scaleout.runtime import kill, spawn
 
@@ -30,17 +35,49 @@ from scaleout.runtime import kill, spawn
 RETRY_SECONDS = 120.0
 
 
+@dataclass
+class Push:
+    """One shard's part of a push, kept until the shard acknowledges it (it is sent again
+    after a failover or a restart)."""
+
+    slot: int
+    payload: Any  # an ObjectRef of the encoded slice
+    base_version: int
+    seq: int
+    future: Any
+    shard: Any = None  # the actor it was sent to last
+
+
 class ParameterServer:
-    """The client side of S shards holding one flat vector (`ranges[i]` on shard i)."""
+    """The client side of S shards holding one flat vector (`ranges[i]` on shard i).
+
+    Each copy of the object (the driver's, each replica's) is one client with its own id:
+    its pushes to shard i are numbered 1, 2, ... so that a push sent again after a failure
+    is applied once. A client that finds a shard dead promotes its backup (when it has one)
+    or waits for Ray to restart it from its checkpoint, then counts the acknowledged pushes
+    the shard no longer holds (`updates_lost`: zero with a backup).
+    """
 
     def __init__(
-        self, shards: list[Any], ranges: list[tuple[int, int]], compress: CompressSection | None
+        self,
+        shards: list[Any],
+        ranges: list[tuple[int, int]],
+        compress: CompressSection | None,
+        backups: list[Any] | None = None,
     ) -> None:
-        self.shards = shards
+        self.shards = list(shards)
+        self.backups = list(backups) if backups is not None else [None] * len(shards)
         self.ranges = ranges
         self.compress = compress
         self.wire = Wire(compress)  # pushes (gradients), as configured
         self.pull_wire = Wire()  # pulls (parameters) in fp32
+        self.client = uuid.uuid4().hex
+        self.seqs = [0] * len(shards)  # pushes sent to each shard
+        self.acked = [0] * len(shards)  # the last push each shard acknowledged
+        self.updates_lost = self.failovers = self.resent = 0
+        self._unacked: list[list[Push]] = [[] for _ in shards]  # in flight, in order
+        self._lock = threading.RLock()  # a replica's fetch and push threads share this
+        self.keeper: Any = None  # starts the backups (the driver's copy ends it)
         self._initial: torch.Tensor | None = None  # until every shard holds its slice
         self._pending: list[Any] = []
 
@@ -57,13 +94,21 @@ class ParameterServer:
         max_restarts: int = 10,
         resource: str | None = None,
         wait: bool = True,
+        backups: int = 0,
     ) -> ParameterServer:
         """Start `num_shards` shard actors holding `initial` (P,), or their checkpoints in
         `checkpoint_root/shard_<i>` when they have some; each applies pushed gradients with
         the optimizer `optimizer` names.
 
-        With `resource`, shards run only on nodes that offer that custom Ray resource.
+        With `resource`, shards run only on nodes that offer that custom Ray resource. With
+        `backups` = 1 every shard keeps a backup that applies every update too (placed on
+        another node when there is one); a primary that dies is replaced by its backup, not
+        restarted by Ray.
         """
+        if backups not in (0, 1):
+            raise ValueError(f"backups = {backups}: a shard keeps 0 or 1 backup")
+        keeper = spawn(BackupKeeper, num_cpus=0, resource=resource) if backups else None
+        policy = BackupPolicy(keeper, resource) if backups else None
         ranges = shard_ranges(initial.numel(), num_shards)
         shards = [
             spawn(
@@ -75,14 +120,16 @@ class ParameterServer:
                 str(checkpoint_root / f"shard_{i}") if checkpoint_root else None,
                 checkpoint_every,
                 checkpoint_seconds,
+                policy,
                 num_cpus=0,
-                max_restarts=max_restarts,
+                max_restarts=0 if backups else max_restarts,
                 resource=resource,
             )
             for i, (start, stop) in enumerate(ranges)
         ]
         flat = initial.detach().to("cpu", torch.float32)
         server = cls(shards, ranges, compress)
+        server.keeper = keeper
         server._initial = flat
         server._pending = [
             shard.initialize.remote(flat[start:stop].numpy())
@@ -93,25 +140,25 @@ class ParameterServer:
         return server
 
     def wait(self) -> None:
-        """Wait until every shard holds its initial slice (or its checkpoint): `create(...,
-        wait=False)` lets several servers start their processes at once."""
+        """Wait until every shard holds its initial slice (or its checkpoint) and its
+        backup: `create(..., wait=False)` lets several servers start their processes at
+        once."""
         if not self._pending:
             return
-        flat = self._initial
+        flat, ranges = self._initial, self.ranges
         try:
-            ray.get(self._pending)
+            answers = ray.get(self._pending)
         except RayActorError:  # a shard died while starting: Ray restarts it, ask again
-            ranges = self.ranges
-            _get_with_retry(
+            answers = self._each(
                 lambda i: self.shards[i].initialize.remote(
                     flat[ranges[i][0] : ranges[i][1]].numpy()  # type: ignore[index]
-                ),
-                len(self.shards),
+                )
             )
+        self.backups = [backup for _, backup in answers]
         self._pending, self._initial = [], None
 
-    def __reduce__(self) -> tuple[type[ParameterServer], tuple[Any, ...]]:  # shards and ranges
-        return ParameterServer, (self.shards, self.ranges, self.compress)
+    def __reduce__(self) -> tuple[type[ParameterServer], tuple[Any, ...]]:
+        return ParameterServer, (self.shards, self.ranges, self.compress, self.backups)
 
     @property
     def numel(self) -> int:
@@ -119,7 +166,7 @@ class ParameterServer:
 
     def pull_into(self, out: torch.Tensor) -> tuple[list[int], int]:
         """Fetch every shard's slice into `out` (P,); return (versions, bytes received)."""
-        results = _get_with_retry(lambda i: self.shards[i].pull.remote(), len(self.shards))
+        results = self._each(lambda i: self.shards[i].pull.remote())
         versions, received = [], 0
         for (start, stop), (payload, version) in zip(self.ranges, results, strict=True):
             out[start:stop].copy_(self.pull_wire.decode(payload))
@@ -127,46 +174,127 @@ class ParameterServer:
             received += Wire.nbytes(payload)
         return versions, received
 
-    def push(self, grads: torch.Tensor, base_versions: list[int]) -> tuple[list[Any], int]:
-        """Send each shard its slice of `grads` (P,); return (futures, bytes sent) at once."""
-        futures, sent = [], 0
-        for shard, (start, stop), version in zip(
-            self.shards, self.ranges, base_versions, strict=True
+    def push(self, grads: torch.Tensor, base_versions: list[int]) -> tuple[list[Push], int]:
+        """Send each shard its slice of `grads` (P,); return (pushes, bytes sent) at once.
+        `settle(pushes)` waits for the shards to apply them."""
+        pushes, sent = [], 0
+        for slot, ((start, stop), version) in enumerate(
+            zip(self.ranges, base_versions, strict=True)
         ):
-            payload = self.wire.encode(grads[start:stop], key=len(futures))  # key: the shard
-            futures.append(shard.push.remote(payload, version))
+            payload = self.wire.encode(grads[start:stop], key=slot)  # key: the shard
+            self.seqs[slot] += 1
+            # Into the object store now: the payload may view the caller's gradient buffer,
+            # which is zeroed and refilled before a push sent again after a failure.
+            push = Push(slot, ray.put(payload), version, self.seqs[slot], None)
+            with self._lock:
+                self._send(push)
+                self._unacked[slot].append(push)
+            pushes.append(push)
             sent += Wire.nbytes(payload)
-        return futures, sent
+        return pushes, sent
+
+    def _send(self, push: Push) -> None:
+        push.shard = shard = self.shards[push.slot]
+        push.future = shard.push.remote(push.payload, push.base_version, self.client, push.seq)
+
+    def settle(self, pushes: list[Push]) -> list[tuple[int, int]]:
+        """Wait until every push is applied: (version, staleness) per shard. Pushes to a
+        shard that died are sent again to its successor (its backup, or the shard Ray
+        restarted) in their order, before any other call of this client reaches it; the
+        sequence numbers keep one the successor had applied from being applied twice."""
+        results = []
+        for push in pushes:
+            deadline = time.monotonic() + RETRY_SECONDS
+            while True:
+                try:
+                    version, staleness = ray.get(push.future)
+                    break
+                except RayActorError:
+                    self._recover(push.slot, push.shard, deadline)  # sends it again
+            with self._lock:
+                self.acked[push.slot] = max(self.acked[push.slot], push.seq)
+                self._unacked[push.slot].remove(push)
+            results.append((version, staleness))
+        return results
 
     def values(self) -> torch.Tensor:
         """The whole parameter vector, uncompressed (P,)."""
-        slices = _get_with_retry(lambda i: self.shards[i].values.remote(), len(self.shards))
+        slices = self._each(lambda i: self.shards[i].values.remote())
         return torch.from_numpy(np.concatenate(slices))  # a writable copy of the slices
 
     def checkpoint(self) -> list[str | None]:
-        return _get_with_retry(lambda i: self.shards[i].checkpoint.remote(), len(self.shards))
+        """Checkpoint every shard (a shard that cannot write, e.g. on a full disk, raises
+        its own one-line `UserError`)."""
+        return self._each(lambda i: self.shards[i].checkpoint.remote())
 
     def info(self) -> list[dict[str, Any]]:
-        return _get_with_retry(lambda i: self.shards[i].info.remote(), len(self.shards))
+        return self._each(lambda i: self.shards[i].info.remote())
 
     def kill(self) -> None:
-        kill(self.shards)
+        """End the shards, their backups and the keeper (the backups the shards started
+        since this copy last looked end with the keeper, which started them)."""
+        kill([*self.shards, *(b for b in self.backups if b is not None)])
+        if self.keeper is not None:
+            kill([self.keeper])
 
+    # --- failures ----------------------------------------------------------------------------
 
-def _get_with_retry(call: Callable[[int], Any], num_shards: int) -> list[Any]:
-    """Call every shard in parallel; re-issue calls to shards that are restarting."""
-    futures = [call(i) for i in range(num_shards)]
-    results: list[Any] = [None] * num_shards
-    deadline = time.monotonic() + RETRY_SECONDS
-    pending = set(range(num_shards))
-    while pending:
-        for i in sorted(pending):
-            try:
-                results[i] = ray.get(futures[i])
-                pending.discard(i)
-            except RayActorError:
-                if time.monotonic() > deadline:
+    def _each(self, call: Callable[[int], Any]) -> list[Any]:
+        """Call every shard in parallel; a call to a shard that died goes to its successor."""
+        called = list(self.shards)
+        futures = [call(i) for i in range(len(self.shards))]
+        results: list[Any] = [None] * len(self.shards)
+        deadline = time.monotonic() + RETRY_SECONDS
+        for i in range(len(self.shards)):
+            while True:
+                try:
+                    results[i] = ray.get(futures[i])
+                    break
+                except RayActorError:
+                    self._recover(i, called[i], deadline)
+                    called[i] = self.shards[i]
+                    futures[i] = call(i)
+                except RayTaskError as error:  # a shard's own one-line error, not Ray's banner
+                    cause = getattr(error, "cause", None)
+                    if isinstance(cause, UserError):
+                        raise type(cause)(str(cause)) from None
                     raise
-                time.sleep(0.2)
-                futures[i] = call(i)
-    return results
+        return results
+
+    def _recover(self, slot: int, failed: Any, deadline: float) -> None:  # noqa: ANN401
+        """Shard `slot` died: promote its backup, or give Ray time to restart it; then
+        count this client's acknowledged pushes that the shard no longer holds, and send
+        the pushes in flight again."""
+        with self._lock:
+            if failed is self.shards[slot] or self.backups[slot] is None:
+                self._recover_locked(slot, deadline)  # else: another thread did already
+
+    def _recover_locked(self, slot: int, deadline: float) -> None:
+        backup = self.backups[slot]
+        if backup is not None:
+            try:
+                self.backups[slot] = ray.get(backup.promote.remote())
+            except RayActorError:
+                raise ShardLost(
+                    f"parameter-server shard {slot} and its backup both died; continue the "
+                    "run with --resume from the last checkpoint"
+                ) from None
+            self.shards[slot] = backup
+            self.failovers += 1
+        else:
+            if time.monotonic() > deadline:
+                raise ShardLost(
+                    f"parameter-server shard {slot} died and did not come back in "
+                    f"{RETRY_SECONDS:g} s; continue the run with --resume from the last "
+                    "checkpoint"
+                )
+            time.sleep(0.2)
+        try:
+            held = ray.get(self.shards[slot].applied_for.remote(self.client))
+        except RayActorError:
+            return  # still restarting, or its successor died too: the caller tries again
+        self.updates_lost += max(self.acked[slot] - held, 0)
+        self.acked[slot] = min(self.acked[slot], held)
+        for push in self._unacked[slot]:  # in their order, before anything else of ours
+            self._send(push)
+            self.resent += 1

@@ -6,11 +6,18 @@ shards stepping their slices equal one optimizer stepping the whole vector). Ver
 applied updates; the staleness of a push is the shard's version when it arrives minus the
 version the replica had fetched.
 
-A shard checkpoints its slice and optimizer state every `checkpoint_every` updates or
-`checkpoint_seconds` seconds (safetensors + verified JSON sidecar, atomic). When Ray
-restarts a shard after its process dies, the constructor runs again and resumes from the
-latest checkpoint; the updates applied since that checkpoint are lost, and `info()` says how
-many versions it went back to.
+With a backup (`backup`, see `scaleout.ps.backup`) every update is applied by a second
+actor too before the push is acknowledged, and a primary that dies is replaced by its
+backup: nothing acknowledged is lost. Every push carries its client's id and sequence
+number, so one sent again after a failure is applied once.
+
+A shard checkpoints its slice, optimizer state and the last sequence number of each client
+every `checkpoint_every` updates or `checkpoint_seconds` seconds (safetensors + verified
+JSON sidecar, atomic). Without a backup, Ray restarts a shard whose process died: the
+constructor runs again and resumes from the latest checkpoint; the updates applied since
+are lost (each client counts its own), and `info()` says which version it went back to. A
+shard restarted with nothing to restore refuses every call with one line (`ShardLost`),
+never serving zeros.
 
 Runs as a Ray actor (`ray.remote(ParameterShard)`), one call at a time, so pulls and pushes
 see a consistent slice.
@@ -19,7 +26,9 @@ see a consistent slice.
 from __future__ import annotations
 
 import os
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +44,14 @@ from scaleout.checkpoint import (
     optimizer_state,
 )
 from scaleout.compress import CompressSection
-from scaleout.errors import CheckpointError
+from scaleout.errors import CheckpointError, DiskError, UserError
 from scaleout.nn.optim import OptimizerOptions, build_optimizer
+from scaleout.ps.backup import BackupLink, BackupPolicy
 from scaleout.ps.wire import Payload, Wire
+
+
+class ShardLost(UserError):
+    """A shard came back from a restart without its state: the run cannot go on."""
 
 
 class ParameterShard:
@@ -50,8 +64,12 @@ class ParameterShard:
         checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | None = None,
+        backup: BackupPolicy | None = None,
+        is_backup: bool = False,
     ) -> None:
         torch.set_num_threads(1)
+        self.args = (shard_id, numel, optimizer, compress, checkpoint_dir, checkpoint_every)
+        self.args += (checkpoint_seconds, backup)
         self.shard_id = shard_id
         self.wire = Wire(compress)  # gradients arrive compressed as configured
         self.pull_wire = Wire()  # parameters leave in fp32: 8 bits would drop small updates
@@ -64,13 +82,22 @@ class ParameterShard:
         self.checkpoint_seconds = checkpoint_seconds
         self.restored_version: int | None = None
         self.stats = {"pushes": 0, "pulls": 0, "bytes_in": 0, "bytes_out": 0, "staleness_sum": 0}
-        if self.checkpoints is not None and self.checkpoints.latest() is not None:
+        self.applied: dict[str, int] = {}  # client -> sequence number of its last push applied
+        self.is_backup, self.promoted = is_backup, False
+        self.link = BackupLink(backup) if backup is not None else None
+        self.empty = False  # restarted by Ray with nothing to restore: refuses every call
+        if self.checkpoints is not None and self.checkpoints.latest() is not None and not is_backup:
             self._restore(self.checkpoints.latest())
+        else:
+            self.empty = _restarted_by_ray()
         self._saved_version = self.version
         self._saved_at = time.monotonic()
+        self._tried_version, self._tried_at = self._saved_version, self._saved_at
+        self.checkpoint_failures, self.checkpoint_error = 0, None  # periodic ones, see info()
 
-    def initialize(self, values: np.ndarray) -> int:
-        """Set the initial slice unless a checkpoint was restored; return the version.
+    def initialize(self, values: np.ndarray) -> tuple[int, Any]:
+        """Set the initial slice unless a checkpoint was restored, start the backup (with
+        `backup`); return the version and the backup's handle (None without one).
 
         The initial state is checkpointed at once, so a shard Ray restarts before its first
         periodic checkpoint still comes back with its values (Ray keeps no constructor
@@ -81,19 +108,42 @@ class ParameterShard:
                 self.param.copy_(torch.from_numpy(np.array(values, dtype=np.float32)))
             if self.checkpoints is not None:
                 self.checkpoint()
-        return self.version
+        self.empty = False
+        if self.link is not None and self.link.handle is None:
+            self._start_backup()
+        return self.version, self.link.handle if self.link is not None else None
 
     # --- the two calls of Downpour SGD ---------------------------------------------------
 
     def pull(self) -> tuple[Payload, int]:
         """The current slice and its version."""
+        self._check_state()
         payload = self.pull_wire.encode(self.param.detach())
         self.stats["pulls"] += 1
         self.stats["bytes_out"] += Wire.nbytes(payload)
         return payload, self.version
 
-    def push(self, payload: Payload, base_version: int) -> tuple[int, int]:
-        """Apply one gradient; return (new version, staleness of this push)."""
+    def push(
+        self, payload: Payload, base_version: int, client: str = "", seq: int = 0
+    ) -> tuple[int, int]:
+        """Apply one gradient (and have the backup apply it); return (new version,
+        staleness of this push). A push this shard applied already (`client`'s `seq`, sent
+        again after a failover) is not applied twice."""
+        self._check_state()
+        if client and seq <= self.applied.get(client, 0):
+            return self.version, 0
+        forward = (
+            self.link.forward("replicate", payload, base_version, client, seq)
+            if (self.link is not None)
+            else None
+        )
+        result = self._apply(payload, base_version, client, seq)
+        if self.link is not None and not self.link.confirm(forward, self.shard_id):
+            self._start_backup()  # it holds this update too: the state is copied after it
+        self._maybe_checkpoint()
+        return result
+
+    def _apply(self, payload: Payload, base_version: int, client: str, seq: int) -> tuple[int, int]:
         grad = self.wire.decode(payload)
         if grad.shape != self.param.shape:
             raise ValueError(
@@ -104,11 +154,62 @@ class ParameterShard:
         self.param.grad.copy_(grad)
         self.optimizer.step()
         self.version += 1
+        if client:
+            self.applied[client] = seq
         self.stats["pushes"] += 1
         self.stats["bytes_in"] += Wire.nbytes(payload)
         self.stats["staleness_sum"] += staleness
-        self._maybe_checkpoint()
         return self.version, staleness
+
+    # --- the backup ------------------------------------------------------------------------
+
+    def replicate(self, payload: Payload, base_version: int, client: str, seq: int) -> int:
+        """The backup's side of a push: apply what the primary applies, in its order."""
+        if not (client and seq <= self.applied.get(client, 0)):
+            self._apply(payload, base_version, client, seq)
+        return self.version
+
+    def promote(self) -> Any:  # noqa: ANN401 - the new backup's handle
+        """The primary died: this backup becomes the primary, starts a backup of its own,
+        and returns it. Every client that finds the primary dead calls this; the first
+        promotes, the others get the same answer."""
+        if self.is_backup:
+            self.is_backup, self.promoted = False, True
+            self.restored_version = self.version
+            self._start_backup()
+        return self.link.handle if self.link is not None else None
+
+    def applied_for(self, client: str) -> int:
+        """The sequence number of `client`'s last push this shard holds: a client that
+        was acknowledged more counts the difference as lost (after a restart from a
+        checkpoint; never after a failover to the backup)."""
+        return self.applied.get(client, 0)
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """A new backup takes its primary's whole state."""
+        tensors = state["tensors"]
+        with torch.no_grad():
+            self.param.copy_(tensors["param"])
+        load_optimizer_state(self.optimizer, tensors, state["optimizer"])
+        self.version, self.applied = state["version"], dict(state["applied"])
+
+    def _start_backup(self) -> None:
+        assert self.link is not None
+        tensors, optim_meta = optimizer_state(self.optimizer)
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        tensors["param"] = self.param.detach().clone()
+        state = {"tensors": tensors, "optimizer": optim_meta, "version": self.version}
+        state["applied"] = dict(self.applied)
+        node = ray.get_runtime_context().get_node_id()
+        self.link.start(ParameterShard, (*self.args, True), state, node)
+
+    def _check_state(self) -> None:
+        if self.empty:
+            raise ShardLost(
+                f"parameter-server shard {self.shard_id} was restarted with nothing to restore "
+                "(no checkpoint where it runs, no backup): its values are gone; continue the "
+                "run with --resume from the last checkpoint, and set downpour.shard_backups = 1"
+            )
 
     # --- state ---------------------------------------------------------------------------
 
@@ -121,6 +222,11 @@ class ParameterShard:
             "numel": self.param.numel(),
             "restored_version": self.restored_version,
             "checkpoint_version": self._saved_version,
+            "backup": self.link is not None and self.link.handle is not None,
+            "backups_started": self.link.started if self.link is not None else 0,
+            "promoted": self.promoted,
+            "checkpoint_failures": self.checkpoint_failures,
+            "checkpoint_error": self.checkpoint_error,
             **self.stats,
         }
 
@@ -129,26 +235,46 @@ class ParameterShard:
         return self.param.detach().numpy()
 
     def checkpoint(self) -> str | None:
-        if self.checkpoints is None:
+        """Checkpoint now (at start, and at each of the driver's checkpoints). A shard that
+        cannot write raises a one-line `DiskError` naming itself and the file."""
+        try:
+            return self._write_checkpoint()
+        except DiskError as err:
+            raise DiskError(f"parameter-server shard {self.shard_id}: {err}") from None
+
+    def _write_checkpoint(self) -> str | None:
+        if self.checkpoints is None or self.is_backup:  # a backup writes once promoted
             return None
+        self._tried_version, self._tried_at = self.version, time.monotonic()
         tensors, optim_meta = optimizer_state(self.optimizer)
         tensors["param"] = self.param.detach()
         meta = {"shard": self.shard_id, "version": self.version, "optimizer": optim_meta}
+        meta["applied"] = self.applied
         path = self.checkpoints.save(self.version, tensors, meta)
         self._saved_version, self._saved_at = self.version, time.monotonic()
         return str(path)
 
     def _maybe_checkpoint(self) -> None:
+        """The periodic checkpoint, inside a push. A write that fails (a full disk) must not
+        fail the push: the replicas would be blamed for it and the run stopped. The shard
+        goes on applying updates, counts the failure (`info()`), and tries again at the
+        next due point; the driver's next checkpoint, which asks every shard, fails loudly."""
         if self.checkpoints is None:
             return
         by_count = (
-            self.checkpoint_every and self.version - self._saved_version >= self.checkpoint_every
+            self.checkpoint_every and self.version - self._tried_version >= self.checkpoint_every
         )
         by_time = (
-            self.checkpoint_seconds and time.monotonic() - self._saved_at >= self.checkpoint_seconds
+            self.checkpoint_seconds and time.monotonic() - self._tried_at >= self.checkpoint_seconds
         )
         if by_count or by_time:
-            self.checkpoint()
+            try:
+                self._write_checkpoint()
+            except DiskError as err:
+                self.checkpoint_failures += 1
+                self.checkpoint_error = f"parameter-server shard {self.shard_id}: {err}"
+                if self.checkpoint_failures == 1:  # once: Ray shows it on the driver's console
+                    print(f"{self.checkpoint_error}; training goes on", file=sys.stderr)
 
     def _restore(self, path: Path) -> None:
         tensors, meta = load_checkpoint(path)
@@ -161,3 +287,16 @@ class ParameterShard:
             self.param.copy_(tensors["param"])
         load_optimizer_state(self.optimizer, tensors, meta["optimizer"])
         self.version = self.restored_version = int(meta["version"])
+        self.applied = {str(k): int(v) for k, v in meta.get("applied", {}).items()}
+
+
+def _restarted_by_ray() -> bool:
+    """Whether this is a Ray actor that Ray started again after its process died."""
+    if not ray.is_initialized():
+        return False
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return False
+    with warnings.catch_warnings():  # Ray's property reads its own deprecated `actor_id`
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(context.was_current_actor_reconstructed)

@@ -49,6 +49,14 @@ _BUILTIN = ("CPU", "GPU", "memory", "object_store_memory")
 PROCESS_BYTES = 200 * 2**20
 
 
+def fits(num_processes: int) -> bool:
+    """Whether the cluster's memory holds `num_processes` more actor processes."""
+    import ray
+
+    memory = ray.cluster_resources().get("memory", 0.0)
+    return not memory or num_processes * PROCESS_BYTES <= memory
+
+
 def check_capacity(num_processes: int, what: str) -> None:
     """Fail at once when a run would start more processes than the cluster's memory can
     hold (`what` names the settings that decide the count): thousands of shard or replica
@@ -57,8 +65,8 @@ def check_capacity(num_processes: int, what: str) -> None:
 
     from scaleout.errors import UserError
 
-    memory = ray.cluster_resources().get("memory", 0.0)
-    if memory and num_processes * PROCESS_BYTES > memory:
+    if not fits(num_processes):
+        memory = ray.cluster_resources()["memory"]
         most = int(memory // PROCESS_BYTES)
         raise UserError(
             f"this run would start {num_processes} processes ({what}); the Ray cluster's "
@@ -77,6 +85,7 @@ def spawn(
     max_concurrency: int | None = None,
     placement: tuple[Any, int] | None = None,
     spread: bool = True,
+    node: str | None = None,
 ) -> Any:  # noqa: ANN401 - a Ray actor handle
     """Start `actor_class(*args)` as a Ray actor.
 
@@ -84,7 +93,8 @@ def spawn(
     started with `ray start --resources '{"ps": 100}'`); `max_restarts`: how often Ray
     restarts the process when it dies (its constructor runs again); `placement`: (placement
     group, bundle index) for workers that must sit together; otherwise actors are spread
-    over the nodes (`spread`).
+    over the nodes (`spread`); `node`: preferably on that node (a node ID; elsewhere if it is
+    gone).
     """
     import ray
 
@@ -103,6 +113,10 @@ def spawn(
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=index
         )
+    elif node is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
     elif spread:
         options["scheduling_strategy"] = "SPREAD"
     return ray.remote(actor_class).options(**options).remote(*args)

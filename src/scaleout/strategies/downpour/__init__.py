@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from pydantic import NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from scaleout.config import Section, TimeoutSeconds
 from scaleout.train.job import Job
@@ -24,6 +24,9 @@ class DownpourSection(Section):
     threads: bool = False  # fetch, compute and push in three weakly synchronised threads
     max_restarts: NonNegativeInt = 3  # per replica; a shard is always restarted
     timeout_s: TimeoutSeconds = 300.0  # a replica whose chunk takes longer is stuck: restarted
+    # Each shard's backup applies every update too, so a shard that dies loses nothing;
+    # None: 1 when the cluster's memory holds the extra processes, else 0.
+    shard_backups: Annotated[int, Field(ge=0, le=1)] | None = None
     shard_checkpoint_every: PositiveInt | None = 500  # shard updates between checkpoints
     shard_checkpoint_seconds: PositiveFloat | None = 30.0  # or seconds, whichever first
     # Custom Ray resources that pin shards / replicas to the nodes that offer them (start

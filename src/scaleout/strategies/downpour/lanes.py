@@ -28,7 +28,7 @@ class Lanes:
         self.job, self.opts, self.run = job, opts, run
         self.servers: list[list[ParameterServer | None]] = []  # [grid worker][group]
         self.pids: dict[tuple[int, int, int], int] = {}
-        self.versions: dict[tuple[int, int, int], int] = {}
+        self.backups = 0  # backups per shard (downpour.shard_backups, resolved at start)
 
     def start(self, phase: int, initial: Initial) -> None:
         """Start the shards of `phase` from `initial` (replica 0's values), all at once."""
@@ -58,6 +58,7 @@ class Lanes:
                         opts.shard_checkpoint_seconds,
                         resource=opts.shard_resource,
                         wait=False,  # start every lane's processes at once
+                        backups=self.backups,
                     )
                 )
             self.servers.append(lane)
@@ -65,8 +66,7 @@ class Lanes:
             server.wait()
         for (w, g), server in self.all():
             for info in server.info():
-                key = (w, g, info["shard"])
-                self.pids[key], self.versions[key] = info["pid"], info["version"]
+                self.pids[(w, g, info["shard"])] = info["pid"]
 
     def for_worker(self, worker: int) -> list[ParameterServer | None]:
         return self.servers[worker]
@@ -87,28 +87,29 @@ class Lanes:
             server.checkpoint()
 
     def restarts(self, step: int, wall_start: float) -> list[dict[str, Any]]:
-        """Shards Ray restarted since the last look, and the updates each lost."""
+        """Shards replaced since the last look: by their backup, or by Ray from their last
+        checkpoint (the updates lost are counted by the clients, see `ParameterServer`)."""
         failures = []
         for (w, g), server in self.all():
             for info in server.info():
                 key = (w, g, info["shard"])
                 if info["pid"] != self.pids.get(key, info["pid"]):
-                    lost = max(self.versions[key] - info["version"], 0)
+                    how = (
+                        "shard failed over to its backup"
+                        if info["promoted"]
+                        else "shard restarted from its checkpoint"
+                    )
                     failures.append(
                         {
                             "time_s": round(time.time() - wall_start, 3),
                             "step": step,
                             "shard": info["shard"],
-                            "kind": "shard restarted",
+                            "kind": how,
                             "restored_version": info["restored_version"],
-                            "updates_lost": lost,
                         }
                     )
-                    console.print(
-                        f"shard {info['shard']} restarted from its checkpoint at version "
-                        f"{info['restored_version']} ({lost} updates lost)"
-                    )
-                self.pids[key], self.versions[key] = info["pid"], info["version"]
+                    console.print(f"{how} (shard {info['shard']}, version {info['version']})")
+                self.pids[key] = info["pid"]
         return failures
 
     def retire(self) -> None:

@@ -44,7 +44,7 @@ from scaleout.errors import ConfigError, UserError
 from scaleout.metrics import truncate_metrics
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share
-from scaleout.runtime.actors import check_capacity
+from scaleout.runtime.actors import check_capacity, fits
 from scaleout.strategies.downpour import DownpourSection
 from scaleout.strategies.downpour.failures import ReplicaFailures
 from scaleout.strategies.downpour.lanes import Lanes
@@ -152,6 +152,15 @@ class Downpour(ReplicaFailures):
             f"downpour.num_replicas = {opts.num_replicas}, downpour.num_shards = "
             f"{opts.num_shards}" + (f", {workers} grid workers each" if workers > 1 else ""),
         )
+        backups = opts.shard_backups
+        if backups is None:  # a backup per shard when the cluster holds them
+            backups = int(fits((opts.num_replicas + 2 * opts.num_shards) * workers))
+        elif backups:
+            check_capacity(
+                (opts.num_replicas + 2 * opts.num_shards) * workers,
+                f"downpour.shard_backups = 1 doubles downpour.num_shards = {opts.num_shards}",
+            )
+        self.lanes.backups = backups
         self.replica_cpus = cpu_share(opts.num_replicas * workers)
         self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
         for replica in self.replicas:
@@ -244,10 +253,9 @@ class Downpour(ReplicaFailures):
                         self._log_pushes(records)
 
     def _check_shards(self) -> None:
-        """Count shards Ray restarted, and the updates they lost."""
-        restarted = self.lanes.restarts(self.step, self._wall_start)
-        self.failures += restarted
-        self.shard_updates_lost += sum(f["updates_lost"] for f in restarted)
+        """Count shards that failed over to their backup or that Ray restarted (the updates
+        they lost are counted by the replicas that had them acknowledged)."""
+        self.failures += self.lanes.restarts(self.step, self._wall_start)
 
     # --- training: chunks to whichever replicas are free -----------------------------------
 
@@ -358,6 +366,7 @@ class Downpour(ReplicaFailures):
 
     def _log_pushes(self, records: list[dict[str, Any]]) -> None:
         assert self.pushes is not None
+        self.shard_updates_lost += sum(r.get("updates_lost", 0) for r in records)
         self.pushes.log(records, self.step, self.examples, self.cfg.lr)
 
     def finish(self) -> Chunk:
@@ -409,6 +418,7 @@ class Downpour(ReplicaFailures):
             "replica_failures": sum(1 for f in self.failures if "replica" in f),
             "replica_restarts": sum(self.restarts),
             "shard_restarts": sum(1 for f in self.failures if "shard" in f),
+            "shard_backups": self.lanes.backups,
             "steps_lost": self.steps_lost,
             "shard_updates_lost": self.shard_updates_lost,
         }

@@ -1,0 +1,128 @@
+"""A shard's backup: a second actor that applies every update the primary applies.
+
+Chain replication of one link (van Renesse & Schneider 2004): a push reaches the primary,
+which hands the same encoded gradient to its backup *before* applying it itself (both apply
+at once, on two processes), and acknowledges the push only once the backup has applied it
+too. The backup sees the primary's updates in the primary's order (Ray runs one caller's
+calls to an actor in the order they were made), and steps the same optimizer on the same
+gradient, so the two hold the same values and optimizer state, bit for bit.
+
+When the primary dies, its clients promote the backup (`ParameterShard.promote`): it
+becomes the primary and starts a backup of its own. Every acknowledged update is in it; the
+pushes that were in flight are sent again, and each push carries (client, sequence number)
+so that one the backup had already applied is not applied twice. When the backup dies, the
+primary starts a new one from its own state and goes on.
+
+The backup is placed on another node than its primary when the cluster has one (a node
+lost whole takes only one of the two), on the same node otherwise (it still survives a
+process that dies).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from scaleout.runtime import kill, spawn
+
+# A backup that has not applied an update after this long is treated as lost.
+CONFIRM_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class BackupPolicy:
+    """How a primary places its backup (on nodes offering `resource` when set), and the
+    keeper that starts it."""
+
+    keeper: Any  # a `BackupKeeper` actor
+    resource: str | None = None
+
+
+class BackupKeeper:
+    """Starts backups for the primaries (a Ray actor the driver owns). Ray ends an actor
+    with the process that started it: a backup a primary started itself would die with
+    its primary, exactly when it is needed. The keeper lives as long as the run, and keeps
+    a handle of every backup it started so that Ray does not end them early."""
+
+    def __init__(self) -> None:
+        self.started: list[Any] = []  # Ray ends an actor no handle refers to any more
+
+    def spawn(
+        self, actor_class: type, args: tuple[Any, ...], node: str | None, resource: str | None
+    ) -> Any:  # noqa: ANN401
+        handle = spawn_backup(actor_class, *args, node=node, resource=resource)
+        self.started.append(handle)
+        return handle
+
+
+class BackupLink:
+    """The primary's side of its backup: start it, forward updates, replace it when lost."""
+
+    def __init__(self, policy: BackupPolicy) -> None:
+        self.policy = policy
+        self.handle: Any = None
+        self.started = 0  # backups started (the first one included)
+
+    def start(
+        self, actor_class: type, args: tuple[Any, ...], state: dict[str, Any], node: str
+    ) -> Any:  # noqa: ANN401
+        """Start a backup (`actor_class(*args)`) and give it `state`, the primary's whole
+        state at this moment; return its handle."""
+        keeper, resource = self.policy.keeper, self.policy.resource
+        where = self._other_node(node)
+        handle = ray.get(keeper.spawn.remote(actor_class, args, where, resource))
+        ray.get(handle.adopt.remote(state))
+        self.handle = handle
+        self.started += 1
+        return handle
+
+    def forward(self, method: str, *args: Any) -> Any:  # noqa: ANN401 - a Ray future
+        """Hand an update to the backup (it runs while the primary applies its own)."""
+        if self.handle is None:
+            return None
+        return getattr(self.handle, method).remote(*args)
+
+    def confirm(self, future: Any, shard_id: int) -> bool:  # noqa: ANN401
+        """Wait until the backup has applied the update; False if the backup is lost (the
+        caller starts a new one)."""
+        if future is None:
+            return self.handle is not None
+        try:
+            ray.get(future, timeout=CONFIRM_TIMEOUT_S)
+            return True
+        except (RayActorError, GetTimeoutError) as error:
+            print(
+                f"shard {shard_id}: its backup is lost ({type(error).__name__}); starting "
+                "a new one",
+                file=sys.stderr,
+            )
+            kill([self.handle])
+            self.handle = None
+            return False
+
+    def _other_node(self, node: str) -> str | None:
+        """A node other than `node` that can hold the backup, or None (the same node)."""
+        candidates = [
+            n["NodeID"]
+            for n in ray.nodes()
+            if n.get("Alive")
+            and n["NodeID"] != node
+            and (self.policy.resource is None or n["Resources"].get(self.policy.resource))
+        ]
+        return random.choice(candidates) if candidates else None
+
+
+def spawn_backup(
+    actor_class: type,
+    *args: Any,  # noqa: ANN401
+    node: str | None = None,
+    resource: str | None = None,
+) -> Any:  # noqa: ANN401 - a Ray actor handle
+    """A backup actor: no CPU reserved (it only applies updates, like its primary), never
+    restarted by Ray (a lost backup is replaced by its primary, with the current state)."""
+    return spawn(actor_class, *args, num_cpus=0, resource=resource, node=node)
