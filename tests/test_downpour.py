@@ -150,6 +150,7 @@ def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
     assert result.summary["final_test_accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_killed_shard_primary_fails_over_to_its_backup_losing_nothing(ray_session, tmp_path):
     """One replica fetching and pushing every step is deterministic: with a shard primary
     SIGKILLed mid-run, the backup takes over, the pushes in flight are sent again, and the
@@ -289,6 +290,7 @@ def test_one_replica_fetching_and_pushing_every_step_is_strategy_single(ray_sess
     assert downpour.final_test_accuracy == single.final_test_accuracy
 
 
+@pytest.mark.slow
 def test_stuck_replica_is_restarted_by_the_watchdog(ray_session, tmp_path):
     """A replica that stops making progress (SIGSTOP: alive, but silent) is killed after
     downpour.timeout_s and restarted; the run completes."""
@@ -314,6 +316,7 @@ def test_stuck_replica_is_restarted_by_the_watchdog(ray_session, tmp_path):
     assert frozen and not alive(set(frozen))
 
 
+@pytest.mark.slow
 def test_replica_0_lost_for_good_during_warm_start_hands_it_to_the_next(ray_session, tmp_path):
     """Warm start trains one replica alone; when replica 0 fails for good there, the next
     replica alive goes on (the run used to end early, with exit status 0)."""

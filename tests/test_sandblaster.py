@@ -232,6 +232,7 @@ def test_restarted_coordinator_resumes_from_the_shards(ray_session, tmp_path, ca
     np.testing.assert_allclose(objectives(resumed.run_dir), objectives(straight.run_dir), rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_resume_from_the_newest_snapshot_every_shard_holds(ray_session, tmp_path, capsys):
     """A shard killed while saving snapshot k leaves the others at k: the run resumes from
     k - 1, which every shard holds, and goes on exactly as an uninterrupted run."""
@@ -247,6 +248,7 @@ def test_resume_from_the_newest_snapshot_every_shard_holds(ray_session, tmp_path
     np.testing.assert_allclose(objectives(resumed.run_dir), objectives(straight.run_dir), rtol=1e-9)
 
 
+@pytest.mark.slow
 def test_resume_without_shard_snapshots_is_one_line(ray_session, tmp_path):
     sandblaster(tmp_path, "gone", iterations=2).train()
     shutil.rmtree(tmp_path / "runs" / "gone" / "shards")
@@ -254,6 +256,7 @@ def test_resume_without_shard_snapshots_is_one_line(ray_session, tmp_path):
         sandblaster(tmp_path, "gone", resume=True, iterations=4).train()
 
 
+@pytest.mark.slow
 def test_the_only_replica_killed_mid_batch_is_restarted(ray_session, tmp_path):
     """One replica: while it computes the batch's only running portion it dies; the
     coordinator restarts it and hands the portion out again (it used to wait on nothing)."""

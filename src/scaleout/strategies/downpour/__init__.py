@@ -25,7 +25,7 @@ class DownpourSection(Section):
     max_restarts: NonNegativeInt = 3  # per replica; a shard is always restarted
     timeout_s: TimeoutSeconds = 300.0  # a replica whose chunk takes longer is stuck: restarted
     # Each shard's backup applies every update too, so a shard that dies loses nothing;
-    # None: 1 when the cluster's memory holds the extra processes, else 0.
+    # None: 1 when the cluster holds the extra processes and has a node or core to spare.
     shard_backups: Annotated[int, Field(ge=0, le=1)] | None = None
     shard_checkpoint_every: PositiveInt | None = 500  # shard updates between checkpoints
     shard_checkpoint_seconds: PositiveFloat | None = 30.0  # or seconds, whichever first

@@ -31,6 +31,9 @@ class ReplicaFailures:
     restarts: list[int]
     failures: list[dict[str, Any]]
     starting: dict[int, list[Any]]
+    in_flight: dict[int, tuple[list[Any], int]]
+    submitted_at: dict[int, float]
+    assigned: int
     steps_lost: int
     step: int
     weights: Tensors | None
@@ -41,6 +44,20 @@ class ReplicaFailures:
 
         def _spawn(self, replica_id: int) -> Replica: ...
         def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]: ...
+
+    def _watch(self) -> None:
+        """The watchdog: a replica whose chunk (at most `CHUNK_STEPS` steps) has made no
+        progress for `downpour.timeout_s` is stuck (a hung process, a lost node): it is
+        killed and treated as failed, so it is restarted like a replica that died."""
+        now, limit = time.monotonic(), self.opts.timeout_s
+        for replica_id in list(self.in_flight):
+            if now - self.submitted_at[replica_id] <= limit:
+                continue
+            _, steps = self.in_flight.pop(replica_id)
+            self.assigned -= steps
+            self._replica_failed(
+                replica_id, steps, TimeoutError(f"no progress for {limit:g} s (downpour.timeout_s)")
+            )
 
     def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
         kind = (

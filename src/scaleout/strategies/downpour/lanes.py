@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import ray
 import torch
 
 from scaleout.progress import console
 from scaleout.ps import ParameterServer
 from scaleout.rundir import RunDir
+from scaleout.runtime.actors import check_capacity, fits
 from scaleout.strategies.downpour import DownpourSection
 from scaleout.train.job import Job
 
@@ -29,6 +31,32 @@ class Lanes:
         self.servers: list[list[ParameterServer | None]] = []  # [grid worker][group]
         self.pids: dict[tuple[int, int, int], int] = {}
         self.backups = 0  # backups per shard (downpour.shard_backups, resolved at start)
+
+    def size(self, workers: int) -> None:
+        """Check that R replicas of `workers` workers and S shards per worker fit the
+        cluster, and decide whether every shard keeps a backup (`shard_backups`): by
+        default when the cluster's memory holds the extra processes and it has a node or a
+        core to spare. On another node a backup survives the loss of its primary's node; on
+        one machine whose cores the replicas already use, it would only slow every push
+        (the demo on 2 cores: 0.84x the examples/s)."""
+        opts = self.opts
+        replicas, shards = opts.num_replicas * workers, opts.num_shards * workers
+        check_capacity(
+            replicas + shards,
+            f"downpour.num_replicas = {opts.num_replicas}, downpour.num_shards = "
+            f"{opts.num_shards}" + (f", {workers} grid workers each" if workers > 1 else ""),
+        )
+        if opts.shard_backups is not None:
+            self.backups = opts.shard_backups
+            if self.backups:
+                check_capacity(
+                    replicas + 2 * shards,
+                    f"downpour.shard_backups = 1 doubles downpour.num_shards = {opts.num_shards}",
+                )
+            return
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        spare = len(ray.nodes()) > 1 or cpus - replicas >= 1
+        self.backups = int(spare and fits(replicas + 2 * shards))
 
     def start(self, phase: int, initial: Initial) -> None:
         """Start the shards of `phase` from `initial` (replica 0's values), all at once."""

@@ -44,7 +44,6 @@ from scaleout.errors import ConfigError, UserError
 from scaleout.metrics import truncate_metrics
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share
-from scaleout.runtime.actors import check_capacity, fits
 from scaleout.strategies.downpour import DownpourSection
 from scaleout.strategies.downpour.failures import ReplicaFailures
 from scaleout.strategies.downpour.lanes import Lanes
@@ -146,22 +145,8 @@ class Downpour(ReplicaFailures):
         self._wall_start = time.time() - elapsed
         self.pushes = Pushes(self.run.path / PUSHES_FILE, self._wall_start)
         workers = self.grid.num_workers if self.grid is not None else 1
-        opts = self.opts
-        check_capacity(
-            (opts.num_replicas + opts.num_shards) * workers,
-            f"downpour.num_replicas = {opts.num_replicas}, downpour.num_shards = "
-            f"{opts.num_shards}" + (f", {workers} grid workers each" if workers > 1 else ""),
-        )
-        backups = opts.shard_backups
-        if backups is None:  # a backup per shard when the cluster holds them
-            backups = int(fits((opts.num_replicas + 2 * opts.num_shards) * workers))
-        elif backups:
-            check_capacity(
-                (opts.num_replicas + 2 * opts.num_shards) * workers,
-                f"downpour.shard_backups = 1 doubles downpour.num_shards = {opts.num_shards}",
-            )
-        self.lanes.backups = backups
-        self.replica_cpus = cpu_share(opts.num_replicas * workers)
+        self.lanes.size(workers)  # fail now if they cannot fit; backups or not
+        self.replica_cpus = cpu_share(self.opts.num_replicas * workers)
         self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
         for replica in self.replicas:
             replica.wait_started()  # built, with its data
@@ -317,7 +302,7 @@ class Downpour(ReplicaFailures):
         starting = [f for futures in self.starting.values() for f in futures]
         ready, _ = ray.wait(list(owner) + starting, num_returns=1, timeout=1.0)
         self._settle_starting(wait=False)
-        self._watch(chunk)
+        self._watch()
         for future in ready:
             replica_id = owner.get(future)
             if replica_id is None or replica_id not in self.in_flight:
@@ -334,20 +319,6 @@ class Downpour(ReplicaFailures):
                 self._replica_failed(replica_id, steps, error)
                 continue
             self._take(replica_id, outs, chunk)
-
-    def _watch(self, chunk: Chunk) -> None:
-        """The watchdog: a replica whose chunk (at most `CHUNK_STEPS` steps) has made no
-        progress for `downpour.timeout_s` is stuck (a hung process, a lost node): it is
-        killed and treated as failed, so it is restarted like a replica that died."""
-        now, limit = time.monotonic(), self.opts.timeout_s
-        for replica_id in list(self.in_flight):
-            if now - self.submitted_at[replica_id] <= limit:
-                continue
-            _, steps = self.in_flight.pop(replica_id)
-            self.assigned -= steps
-            self._replica_failed(
-                replica_id, steps, TimeoutError(f"no progress for {limit:g} s (downpour.timeout_s)")
-            )
 
     def _take(self, replica_id: int, outs: list[dict[str, Any]], chunk: Chunk) -> None:
         out = outs[0]  # a grid's sums are reduced over it
