@@ -150,10 +150,6 @@ class RunDir:
         if self._release is not None:
             self._release()
 
-    def clear(self) -> None:
-        """Delete what a run writes here (`RUN_FILES`, `RUN_DIRS`), and nothing else."""
-        _clear(self.path)
-
     def stopped_at(self, step: int) -> str:
         """Where a run that could not go on stopped: the step, and what resumes it."""
         latest = self.checkpoints.latest()
@@ -264,6 +260,7 @@ def _run_paths(path: Path) -> list[Path]:
 
 
 def _clear(path: Path) -> None:
+    """Delete what a run writes in `path` (`RUN_FILES`, `RUN_DIRS`), and nothing else."""
     for found in _run_paths(path):
         if found.is_dir() and not found.is_symlink():
             shutil.rmtree(found, ignore_errors=True)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from scaleout.errors import UserError
-from scaleout.runtime import describe_failure
+from scaleout.runtime import describe_failure, reraise_user_error
 from scaleout.runtime.actors import spawn
 
 __all__ = [
@@ -355,8 +355,7 @@ class ProcessGroup:
                     except Exception as error:  # noqa: BLE001 - sorted below
                         errors.append((rank, error))
                 for _, error in errors:
-                    if isinstance(error, RayTaskError) and isinstance(error.cause, UserError):
-                        raise UserError(str(error.cause)) from None
+                    reraise_user_error(error)
                 dead = [(r, e) for r, e in errors if isinstance(e, RayActorError)]
                 rank, error = (dead or errors)[0]
                 what = "died" if dead else "failed"

@@ -55,7 +55,10 @@ class BackupKeeper:
     def spawn(
         self, actor_class: type, args: tuple[Any, ...], node: str | None, resource: str | None
     ) -> Any:  # noqa: ANN401
-        handle = spawn_backup(actor_class, *args, node=node, resource=resource)
+        """A backup: no CPU reserved (it only applies updates, like its primary), never
+        restarted by Ray (a lost backup is replaced by its primary, with the current
+        state)."""
+        handle = spawn(actor_class, *args, num_cpus=0, resource=resource, node=node)
         self.started.append(handle)
         return handle
 
@@ -115,14 +118,3 @@ class BackupLink:
             and (self.policy.resource is None or n["Resources"].get(self.policy.resource))
         ]
         return random.choice(candidates) if candidates else None
-
-
-def spawn_backup(
-    actor_class: type,
-    *args: Any,  # noqa: ANN401
-    node: str | None = None,
-    resource: str | None = None,
-) -> Any:  # noqa: ANN401 - a Ray actor handle
-    """A backup actor: no CPU reserved (it only applies updates, like its primary), never
-    restarted by Ray (a lost backup is replaced by its primary, with the current state)."""
-    return spawn(actor_class, *args, num_cpus=0, resource=resource, node=node)

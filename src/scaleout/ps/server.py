@@ -23,13 +23,12 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from scaleout.compress import CompressSection
-from scaleout.errors import UserError
 from scaleout.nn.optim import OptimizerOptions
 from scaleout.ps.backup import BackupKeeper, BackupPolicy
 from scaleout.ps.layout import shard_ranges
 from scaleout.ps.shard import ParameterShard, ShardLost
 from scaleout.ps.wire import Wire
-from scaleout.runtime import kill, spawn
+from scaleout.runtime import kill, reraise_user_error, spawn
 
 # A shard restarted by Ray takes a few seconds to come back; callers retry this long.
 RETRY_SECONDS = 120.0
@@ -255,9 +254,7 @@ class ParameterServer:
                     called[i] = self.shards[i]
                     futures[i] = call(i)
                 except RayTaskError as error:  # a shard's own one-line error, not Ray's banner
-                    cause = getattr(error, "cause", None)
-                    if isinstance(cause, UserError):
-                        raise type(cause)(str(cause)) from None
+                    reraise_user_error(error)
                     raise
         return results
 

@@ -68,8 +68,16 @@ class ParameterShard:
         is_backup: bool = False,
     ) -> None:
         torch.set_num_threads(1)
-        self.args = (shard_id, numel, optimizer, compress, checkpoint_dir, checkpoint_every)
-        self.args += (checkpoint_seconds, backup)
+        self.args = (  # a backup is built from the same
+            shard_id,
+            numel,
+            optimizer,
+            compress,
+            checkpoint_dir,
+            checkpoint_every,
+            checkpoint_seconds,
+            backup,
+        )
         self.shard_id = shard_id
         self.wire = Wire(compress)  # gradients arrive compressed as configured
         self.pull_wire = Wire()  # parameters leave in fp32: 8 bits would drop small updates
@@ -130,7 +138,7 @@ class ParameterShard:
         staleness of this push). A push this shard applied already (`client`'s `seq`, sent
         again after a failover) is not applied twice."""
         self._check_state()
-        if client and seq <= self.applied.get(client, 0):
+        if self._applied_already(client, seq):
             return self.version, 0
         forward = (
             self.link.forward("replicate", payload, base_version, client, seq)
@@ -165,9 +173,14 @@ class ParameterShard:
 
     def replicate(self, payload: Payload, base_version: int, client: str, seq: int) -> int:
         """The backup's side of a push: apply what the primary applies, in its order."""
-        if not (client and seq <= self.applied.get(client, 0)):
+        if not self._applied_already(client, seq):
             self._apply(payload, base_version, client, seq)
         return self.version
+
+    def _applied_already(self, client: str, seq: int) -> bool:
+        """Whether `client`'s push `seq` is in this shard (one client's pushes arrive in
+        order, so every push up to its last one is)."""
+        return bool(client) and seq <= self.applied.get(client, 0)
 
     def promote(self) -> Any:  # noqa: ANN401 - the new backup's handle
         """The primary died: this backup becomes the primary, starts a backup of its own,
@@ -185,21 +198,14 @@ class ParameterShard:
         checkpoint; never after a failover to the backup)."""
         return self.applied.get(client, 0)
 
-    def adopt(self, state: dict[str, Any]) -> None:
-        """A new backup takes its primary's whole state."""
-        tensors = state["tensors"]
-        with torch.no_grad():
-            self.param.copy_(tensors["param"])
-        load_optimizer_state(self.optimizer, tensors, state["optimizer"])
-        self.version, self.applied = state["version"], dict(state["applied"])
+    def adopt(self, state: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
+        """A new backup takes its primary's whole state (`_state()`)."""
+        self._load(*state)
 
     def _start_backup(self) -> None:
         assert self.link is not None
-        tensors, optim_meta = optimizer_state(self.optimizer)
-        tensors = {k: v.clone() for k, v in tensors.items()}
-        tensors["param"] = self.param.detach().clone()
-        state = {"tensors": tensors, "optimizer": optim_meta, "version": self.version}
-        state["applied"] = dict(self.applied)
+        tensors, meta = self._state()
+        state = ({k: v.clone() for k, v in tensors.items()}, meta)
         node = ray.get_runtime_context().get_node_id()
         self.link.start(ParameterShard, (*self.args, True), state, node)
 
@@ -246,11 +252,8 @@ class ParameterShard:
         if self.checkpoints is None or self.is_backup:  # a backup writes once promoted
             return None
         self._tried_version, self._tried_at = self.version, time.monotonic()
-        tensors, optim_meta = optimizer_state(self.optimizer)
-        tensors["param"] = self.param.detach()
-        meta = {"shard": self.shard_id, "version": self.version, "optimizer": optim_meta}
-        meta["applied"] = self.applied
-        path = self.checkpoints.save(self.version, tensors, meta)
+        tensors, meta = self._state()
+        path = self.checkpoints.save(self.version, tensors, {"shard": self.shard_id, **meta})
         self._saved_version, self._saved_at = self.version, time.monotonic()
         return str(path)
 
@@ -283,10 +286,23 @@ class ParameterShard:
                 f"shard checkpoint {path} holds {tensors['param'].numel()} values, this shard "
                 f"{self.param.numel()}: the model or downpour.num_shards changed"
             )
+        self._load(tensors, meta)
+        self.restored_version = self.version
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything a shard holds, as tensors and JSON: what a checkpoint writes and a new
+        backup adopts."""
+        tensors, optim_meta = optimizer_state(self.optimizer)
+        tensors["param"] = self.param.detach()
+        meta = {"version": self.version, "optimizer": optim_meta, "applied": dict(self.applied)}
+        return tensors, meta
+
+    def _load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The inverse of `_state`."""
         with torch.no_grad():
             self.param.copy_(tensors["param"])
         load_optimizer_state(self.optimizer, tensors, meta["optimizer"])
-        self.version = self.restored_version = int(meta["version"])
+        self.version = int(meta["version"])
         self.applied = {str(k): int(v) for k, v in meta.get("applied", {}).items()}
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "connect",
     "cpu_share",
     "describe_failure",
+    "reraise_user_error",
     "kill",
     "resolve_device",
     "session",
@@ -113,17 +114,27 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
-def describe_failure(error: BaseException) -> str:
-    """One line for a failed actor call: the actor's own exception, or Ray's first line.
-
-    A `UserError` raised inside an actor (a diverging loss, bad data) is re-raised here: no
-    restart can fix it, so the run stops with the user's message.
-    """
+def reraise_user_error(error: BaseException) -> None:
+    """Raise the `UserError` an actor raised (a diverging loss, bad data, a full disk) as
+    itself, one line, instead of Ray's wrapper with the actor's traceback; otherwise
+    return."""
     from ray.exceptions import RayTaskError
 
     cause = getattr(error, "cause", None)
     if isinstance(error, RayTaskError) and isinstance(cause, UserError):
-        raise UserError(str(cause)) from None
+        raise type(cause)(str(cause)) from None
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line for a failed actor call: the actor's own exception, or Ray's first line.
+
+    A `UserError` raised inside an actor is re-raised here (`reraise_user_error`): no
+    restart can fix it, so the run stops with the user's message.
+    """
+    from ray.exceptions import RayTaskError
+
+    reraise_user_error(error)
+    cause = getattr(error, "cause", None)
     if isinstance(error, RayTaskError) and cause is not None:
         return f"{type(cause).__name__}: {cause}".splitlines()[0]
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()  # Ray colours its banner

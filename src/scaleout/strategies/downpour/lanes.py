@@ -41,22 +41,19 @@ class Lanes:
         (the demo on 2 cores: 0.84x the examples/s)."""
         opts = self.opts
         replicas, shards = opts.num_replicas * workers, opts.num_shards * workers
-        check_capacity(
-            replicas + shards,
-            f"downpour.num_replicas = {opts.num_replicas}, downpour.num_shards = "
-            f"{opts.num_shards}" + (f", {workers} grid workers each" if workers > 1 else ""),
-        )
-        if opts.shard_backups is not None:
+        if opts.shard_backups is None:
+            cpus = ray.cluster_resources().get("CPU", 0.0)
+            spare = len(ray.nodes()) > 1 or cpus - replicas >= 1
+            self.backups = int(spare and fits(replicas + 2 * shards))
+        else:
             self.backups = opts.shard_backups
-            if self.backups:
-                check_capacity(
-                    replicas + 2 * shards,
-                    f"downpour.shard_backups = 1 doubles downpour.num_shards = {opts.num_shards}",
-                )
-            return
-        cpus = ray.cluster_resources().get("CPU", 0.0)
-        spare = len(ray.nodes()) > 1 or cpus - replicas >= 1
-        self.backups = int(spare and fits(replicas + 2 * shards))
+        check_capacity(
+            replicas + (1 + self.backups) * shards,
+            f"downpour.num_replicas = {opts.num_replicas}, downpour.num_shards = "
+            f"{opts.num_shards}"
+            + (", each with a backup" if self.backups else "")
+            + (f", {workers} grid workers each" if workers > 1 else ""),
+        )
 
     def start(self, phase: int, initial: Initial) -> None:
         """Start the shards of `phase` from `initial` (replica 0's values), all at once."""
