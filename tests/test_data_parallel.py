@@ -249,20 +249,76 @@ def test_batch_must_split_evenly(ray_session, tmp_path):
 # --- failure and resume ----------------------------------------------------------------------
 
 
-def test_killed_worker_stops_the_run_and_resume_finishes_it(ray_session, tmp_path):
-    shape = dict(sizes=[784, 256, 256, 10], num_train=8192, batch=128, checkpoint_every=20)
-    path = write_config(tmp_path, "kill", steps=160, **shape)
-    run = prepare(path, overwrite=True)
+def kill_worker_after_checkpoint(run, step: int, pids: list[int]) -> None:
+    """SIGKILL sync worker 1 once checkpoint `step` is written (its pids go to `pids`)."""
     checkpoints = run.run_dir.checkpoints
-    pids: list[int] = []
 
-    def kill_after_a_checkpoint() -> None:
-        while not any(s >= 40 for s in checkpoints.steps()):
+    def kill() -> None:
+        while not any(s >= step for s in checkpoints.steps()):
             time.sleep(0.01)
         pids.extend(run.strategy.workers.group.pids)
         os.kill(pids[1], signal.SIGKILL)
 
-    threading.Thread(target=kill_after_a_checkpoint, daemon=True).start()
+    threading.Thread(target=kill, daemon=True).start()
+
+
+def test_killed_worker_restarts_the_group_from_the_last_checkpoint(ray_session, tmp_path):
+    """A dead worker stops its group; the driver starts the group again from the last
+    checkpoint, and the run ends as an uninterrupted one would (SGD, no dropout: equal)."""
+    shape = dict(sizes=[784, 64, 10], num_train=4096, batch=128, checkpoint_every=20)
+    path = write_config(tmp_path, "restart", steps=120, **shape)
+    run = prepare(path, overwrite=True)
+    pids: list[int] = []
+    kill_worker_after_checkpoint(run, 40, pids)
+    result = run.train()
+    assert result.step == 120
+    assert result.summary["restarts"] == 1
+    assert 0 <= result.summary["steps_redone"] < 20 + 20  # since the last checkpoint
+    for pid in pids:  # the old group is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    run_sync(write_config(tmp_path, "whole", steps=120, **shape))
+    assert_close(weights(tmp_path / "runs" / "restart"), weights(tmp_path / "runs" / "whole"))
+
+
+@pytest.mark.slow
+def test_silent_worker_times_out_its_collective_and_the_group_restarts(ray_session, tmp_path):
+    """Worker 1 stopped (SIGSTOP: alive, never answering): worker 0's all-reduce fails after
+    sync.timeout_s, the group is ended (the stopped process too) and started again from the
+    last checkpoint; the run completes."""
+    shape = dict(sizes=[784, 64, 10], num_train=4096, batch=128, checkpoint_every=20)
+    path = write_config(tmp_path, "silent", steps=80, **shape)
+    run = prepare(path, overrides=["sync.timeout_s=5"], overwrite=True)
+    checkpoints = run.run_dir.checkpoints
+    stopped: list[int] = []
+
+    def stop_after_a_checkpoint() -> None:
+        while not any(s >= 20 for s in checkpoints.steps()):
+            time.sleep(0.01)
+        stopped.append(run.strategy.workers.group.pids[1])
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    threading.Thread(target=stop_after_a_checkpoint, daemon=True).start()
+    started = time.monotonic()
+    try:
+        result = run.train()
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert result.step == 80 and result.summary["restarts"] == 1
+    assert time.monotonic() - started < 120
+
+
+def test_killed_worker_stops_the_run_and_resume_finishes_it(ray_session, tmp_path):
+    shape = dict(sizes=[784, 256, 256, 10], num_train=8192, batch=128, checkpoint_every=20)
+    path = write_config(tmp_path, "kill", steps=160, **shape)
+    run = prepare(path, overrides=["train.max_restarts=0"], overwrite=True)
+    checkpoints = run.run_dir.checkpoints
+    pids: list[int] = []
+    kill_worker_after_checkpoint(run, 40, pids)
     with pytest.raises(WorkerDied, match=r"sync worker 1 \(pid \d+\) died.*--resume"):
         run.train()
     stopped_at = run.strategy.step

@@ -3,6 +3,10 @@ and the run is the single-process run (strategy "single", the reference) to fp32
 the same logged objective, the same checkpointed weights, and checkpoints that resume under
 either strategy."""
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -121,6 +125,35 @@ def test_resume_across_strategies_and_grids(tmp_path, single_run, ray_session, m
     result = second.train()
     assert result.step == 12 and not result.interrupted
     assert_same_run(tmp_path / "runs" / "moved", single_run)
+
+
+def test_worker_killed_mid_run_restarts_the_grid_from_its_checkpoint(
+    tmp_path, single_run, ray_session, monkeypatch
+):
+    """Grid worker 1 SIGKILLed right after the checkpoint at step 3: the driver starts the
+    grid again from it, and the run ends with the single-process run's weights."""
+    run = prepare(write_config(tmp_path, "restart", "model_parallel"), overwrite=True)
+    write = driver.Driver._write_checkpoint
+    killed: list[int] = []
+
+    def write_then_kill(self, record):
+        write(self, record)
+        if not killed:
+            killed.append(self.strategy.workers.group.pids[1])
+            os.kill(killed[0], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # gone (and reaped) before training goes on
+                try:
+                    os.kill(killed[0], 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.01)
+
+    monkeypatch.setattr(driver.Driver, "_write_checkpoint", write_then_kill)
+    result = run.train()
+    assert result.summary["restarts"] == 1
+    assert 0 <= result.summary["steps_redone"] <= 2  # the chunk that was under way
+    assert_same_run(tmp_path / "runs" / "restart", single_run)
 
 
 def test_model_parallel_needs_an_autoencoder(tmp_path):

@@ -268,7 +268,16 @@ class GroupMember:
 
 
 class WorkerDied(UserError):
-    """A worker of a process group died; the run stopped (at its last checkpoint)."""
+    """A worker of a process group died; the run stopped (at its last checkpoint).
+
+    `cause` says what died or hung, without where the run stopped; a process group sets
+    it, and the driver may then start the group again from the last checkpoint
+    (`train.max_restarts`). Without it (a Downpour replica that could not start) the run
+    stops."""
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass
@@ -278,6 +287,7 @@ class ProcessGroup:
     actors: list[Any]
     placement: Any
     pids: list[int] = field(default_factory=list)
+    timeout_s: float = 300.0  # the others' answers are due this long after the first one
 
     @classmethod
     def create(
@@ -338,7 +348,7 @@ class ProcessGroup:
                 ray.kill(actor, no_restart=True)
             remove_placement_group(placement)
             raise
-        return cls(actors, placement, pids)
+        return cls(actors, placement, pids, timeout_s)
 
     @property
     def world_size(self) -> int:
@@ -353,7 +363,18 @@ class ProcessGroup:
 
         pending = list(futures)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            # Workers in lock step answer together: once one has, a worker that does not
+            # answer within timeout_s is stuck (its peers' collectives would time out too).
+            timeout = None if len(pending) == len(futures) else self.timeout_s
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                rank = next(r for r, f in enumerate(futures) if f in pending)
+                pid = self.pids[rank] if rank < len(self.pids) else "?"
+                cause = (
+                    f"{role} {rank} (pid {pid}) is stuck while {doing}: no answer "
+                    f"{self.timeout_s:g} s after the first worker's"
+                )
+                raise WorkerDied(f"{cause}; the run stopped {where()}", cause=cause)
             try:
                 ray.get(ready[0])
             except (RayTaskError, RayActorError):
@@ -372,10 +393,11 @@ class ProcessGroup:
                 rank, error = (dead or errors)[0]
                 what = "died" if dead else "failed"
                 pid = self.pids[rank] if rank < len(self.pids) else "?"
+                cause = f"{role} {rank} (pid {pid}) {what} while {doing}: "
+                cause += describe_failure(error)[:200]
                 raise WorkerDied(
-                    f"{role} {rank} (pid {pid}) {what} while {doing}: "
-                    f"{describe_failure(error)[:200]}; the others cannot continue without it, "
-                    f"so the run stopped {where()}"
+                    f"{cause}; the others cannot continue without it, so the run stopped {where()}",
+                    cause=cause,
                 ) from None
         return ray.get(futures)
 

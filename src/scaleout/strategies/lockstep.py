@@ -41,6 +41,7 @@ class Lockstep:
     `role_options()`."""
 
     name = "lockstep"
+    restartable = True  # the driver starts the workers again when one of them died
 
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -63,8 +64,8 @@ class Lockstep:
         assert self._plan is not None
         role = Role(phase_steps=self._plan.phase_steps, **self.role_options())
         self.workers = self.make_workers(role)
+        self.step = 0 if resume is None else resume.step
         if resume is not None:
-            self.step = resume.step
             self.workers.call("restore", resume.tensors, resume.meta, str(resume.path))
         return {}
 

@@ -48,6 +48,9 @@ class TrainSection(Section):
     log_every: PositiveInt = 50  # steps between metrics lines
     checkpoint_every: PositiveInt = 1000  # steps between checkpoints (and one at the end)
     keep_checkpoints: PositiveInt = 2
+    # A worker of a lock-step strategy (sync, model_parallel) that dies stops its group; the
+    # driver restarts the strategy from the last checkpoint up to this many times.
+    max_restarts: NonNegativeInt = 3
 
     def total_steps(self, batches_per_epoch: int) -> int:
         """`steps`, or `epochs` passes of `batches_per_epoch` (per phase for layer-wise

@@ -6,7 +6,11 @@ phase, a checkpoint every `checkpoint_every` and at the end. It writes `metrics.
 TensorBoard events with `run.tensorboard`), shows the progress bar, stops at
 `train.target_accuracy`, turns Ctrl-C into a stop at the end of the current chunk with a
 checkpoint (a second Ctrl-C interrupts at once), refuses to resume from a checkpoint of
-another run, and prints the summary. A strategy only trains (`scaleout.train.protocol`).
+another run, and prints the summary. When a worker of a lock-step strategy dies (its group
+cannot go on without it), it restarts the strategy from the last checkpoint, up to
+`train.max_restarts` times, as torchrun's elastic agent does (a strategy that can be
+started again after `close` says so: `restartable`). A strategy only trains
+(`scaleout.train.protocol`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.checkpoint import load_checkpoint
+from scaleout.comm import WorkerDied
 from scaleout.errors import CheckpointError, DiskError, UserError
 from scaleout.interrupt import StopOnInterrupt
 from scaleout.metrics import MetricsLog, plot_terms, read_metrics, truncate_metrics
@@ -99,6 +104,7 @@ class Driver:
         self.elapsed = 0.0
         self.start_time = time.perf_counter()
         self.plan: Plan | None = None
+        self.restarts: list[dict[str, Any]] = []  # the restarts after a worker died
 
     # --- resume ----------------------------------------------------------------------------
 
@@ -172,9 +178,35 @@ class Driver:
 
     def run_training(self) -> TrainResult:
         try:
-            return self._run()
+            while True:
+                try:
+                    return self._run()
+                except WorkerDied as died:
+                    if not self.strategy.restartable or died.cause is None:
+                        raise
+                    if len(self.restarts) >= self.job.train.max_restarts:
+                        raise
+                    self._restart(died.cause)
         finally:
             self.strategy.close()
+
+    def _restart(self, cause: str) -> None:
+        """After a worker died: end the strategy's workers and start them again from the last
+        checkpoint (from the start when there is none); the steps since it are done again."""
+        self.strategy.close()
+        saved = self.run.checkpoints.steps()
+        self.resume = bool(saved)
+        restart = {
+            "time_s": round(self.now(), 3),
+            "step": self.step,
+            "from_step": saved[-1] if saved else 0,
+            "message": cause[:300],
+        }
+        self.restarts.append(restart)
+        console.print(
+            f"{cause}; restarting from step {restart['from_step']} (restart "
+            f"{len(self.restarts)} of train.max_restarts = {self.job.train.max_restarts})"
+        )
 
     def _run(self) -> TrainResult:
         cfg = self.job.train
@@ -183,6 +215,10 @@ class Driver:
         if resume is not None:
             meta = resume.meta
             self.step, self.examples, self.elapsed = meta["step"], meta["examples"], meta["time_s"]
+        elif self.restarts:  # a worker died before the first checkpoint: from the start
+            self.step = self.examples = 0
+            self.elapsed = 0.0
+            truncate_metrics(self.run.metrics, 0)
         counters = self.strategy.start(resume)
         # Started: only now, before the first metrics line or checkpoint, is the previous run
         # that --overwrite set aside deleted (a failure up to here puts it back).
@@ -278,6 +314,9 @@ class Driver:
             )
         summary = self.run.finish()
         summary.update(self.strategy.summary())
+        if self.restarts:
+            summary["restarts"] = len(self.restarts)
+            summary["steps_redone"] = sum(r["step"] - r["from_step"] for r in self.restarts)
         if stopped is not None:
             summary["stopped"] = stopped
         return TrainResult(self.step, interrupt.requested, summary, self.run.path)

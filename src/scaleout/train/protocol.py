@@ -99,6 +99,9 @@ class Strategy(Protocol):
     """One way of training: single, sync, downpour, sandblaster, model_parallel."""
 
     name: str
+    # True when `start` may be called again after `close`: the driver then restarts the
+    # strategy from the last checkpoint when one of its workers dies (`WorkerDied`).
+    restartable: bool
 
     def plan(self) -> Plan:
         """The run's length, from the config and the data (before anything starts)."""
