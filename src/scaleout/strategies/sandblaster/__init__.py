@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
-from scaleout.config import Section
+from scaleout.config import Section, TimeoutSeconds
 from scaleout.train.job import Job
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class SandblasterSection(Section):
     l2: NonNegativeFloat = 0.0  # objective + l2 * ||weights||^2 (biases are not penalised)
     dtype: Literal["float32", "float64"] = "float32"  # replicas' arithmetic; shards use float64
     max_restarts: NonNegativeInt = 3  # per replica
+    timeout_s: TimeoutSeconds = 300.0  # a portion not done in this long: its replica is stuck
     straggler_replica: NonNegativeInt | None = None  # benchmarks: slow this replica down ...
     straggler_factor: Annotated[float, Field(ge=1)] = 4.0  # ... by this factor
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from scaleout.errors import ConfigError, UserError
 from scaleout.progress import console
@@ -42,6 +42,8 @@ from scaleout.train.objective import Supervised, is_classification
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 from scaleout.train.state import model_tensors
 
+START_TIMEOUT_S = 120.0  # at least this long for a replica to start (imports, data)
+
 
 class Interrupted(Exception):
     """Ctrl-C between two objective evaluations."""
@@ -49,6 +51,7 @@ class Interrupted(Exception):
 
 class Sandblaster:
     name = "sandblaster"
+    restartable = False  # it heals its own workers; a failure it cannot heal ends the run
 
     def __init__(self, job: Job) -> None:
         self.job, self.opts = job, job.section("sandblaster", SandblasterSection)
@@ -72,6 +75,7 @@ class Sandblaster:
         self.incarnations = [0] * self.opts.num_replicas
         self.calls = [0] * self.opts.num_replicas  # numbers each replica's calls in order
         self.running: dict[Any, tuple[int, int, int]] = {}  # future -> (replica, batch, portion)
+        self.submitted: dict[Any, float] = {}  # future -> when it was sent (the watchdog)
         self.replicas: list[Any] = []
         self.shards: list[Any] = []
         self.stop: Callable[[], bool] = lambda: False
@@ -203,11 +207,31 @@ class Sandblaster:
         console.print(f"replica {replica_id} failed: {message[:200]}; its portions are reassigned")
         ray.kill(self.replicas[replica_id], no_restart=True)
         self.running = {f: v for f, v in self.running.items() if v[0] != replica_id}
+        self.submitted = {f: t for f, t in self.submitted.items() if f in self.running}
         if restarts >= self.opts.max_restarts:
             raise UserError(f"replica {replica_id} failed {restarts + 1} times (max_restarts)")
         self.incarnations[replica_id] += 1
         self.calls[replica_id] = 0
         self.replicas[replica_id] = self._spawn(replica_id)
+        # Ready before it takes portions: the watchdog times portions, not start-ups (a
+        # process that imports torch and loads its data), which get at least START_TIMEOUT_S.
+        limit = max(self.opts.timeout_s, START_TIMEOUT_S)
+        try:
+            ray.get(self.replicas[replica_id].ready.remote(), timeout=limit)
+        except GetTimeoutError:
+            raise UserError(f"replica {replica_id} did not start again in {limit:g} s") from None
+        except (RayActorError, RayTaskError) as error:
+            why = describe_failure(error)
+            raise UserError(f"replica {replica_id} could not start again: {why}") from None
+
+    def _silent(self) -> TimeoutError:
+        return TimeoutError(f"no answer for {self.opts.timeout_s:g} s (sandblaster.timeout_s)")
+
+    def _stuck(self) -> list[int]:
+        """Replicas with a portion running longer than `sandblaster.timeout_s`."""
+        now, limit = time.monotonic(), self.opts.timeout_s
+        late = {self.running[f][0] for f, t in self.submitted.items() if now - t > limit}
+        return sorted(late)
 
     # --- one objective evaluation: a load-balanced pass over the batch -----------------------
 
@@ -254,6 +278,7 @@ class Sandblaster:
             )
             verdicts[replica_id] = {}
             self.running[future] = (replica_id, batch, portion)
+            self.submitted[future] = time.monotonic()
 
         def drop(replica_id: int, key: str) -> None:
             """A replica died: its portions of this batch are redone by others."""
@@ -273,7 +298,15 @@ class Sandblaster:
                 for r in range(len(self.replicas)):  # a restarted replica takes one of them
                     assign(r)
                 assert self.running, "portions left but no replica computes one"
-                (future,), _ = ray.wait(list(self.running), num_returns=1)
+                ready, _ = ray.wait(list(self.running), num_returns=1, timeout=1.0)
+                if not ready:  # the watchdog: a replica silent for timeout_s is stuck
+                    for replica_id in self._stuck():
+                        drop(replica_id, self._key(replica_id))
+                        self._replica_failed(replica_id, self._silent())
+                        assign(replica_id)
+                    continue
+                future = ready[0]
+                self.submitted.pop(future, None)
                 replica_id, future_batch, portion = self.running.pop(future)
                 key = self._key(replica_id)
                 try:
@@ -302,10 +335,11 @@ class Sandblaster:
             for r, future in flushes.items():
                 verdicts[r] = {}
                 try:
-                    ray.get(future)
-                except (RayActorError, RayTaskError) as error:
+                    ray.get(future, timeout=self.opts.timeout_s)
+                except (RayActorError, RayTaskError, GetTimeoutError) as error:
                     drop(r, self._key(r))
-                    self._replica_failed(r, error)
+                    silent = isinstance(error, GetTimeoutError)
+                    self._replica_failed(r, self._silent() if silent else error)
                     lost = True
             if not lost:
                 break
