@@ -2,6 +2,7 @@
 and no process left behind."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,3 +328,18 @@ def test_replica_0_lost_for_good_during_warm_start_hands_it_to_the_next(ray_sess
     assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 0
     pushes = read_metrics(downpour.run_dir.path / PUSHES_FILE)
     assert {p["replica"] for p in pushes if 60 < p["step"] < 150} == {1}
+
+
+def test_resume_without_shard_checkpoints_starts_from_the_drivers(ray_session, tmp_path, capsys):
+    """Shard checkpoints lost (their directory deleted): --resume starts the shards from the
+    driver checkpoint's weights, says so, and keeps what the run had learned."""
+    path = write_config(tmp_path, steps=400, warmstart=0)
+    first = driver(path, "train.steps=200", "downpour.shard_backups=0").train()
+    before = first.summary["final_test_accuracy"]
+    shutil.rmtree(tmp_path / "runs" / "dp" / "shards")
+    resumed = driver(path, "downpour.shard_backups=0", resume=True)
+    result = resumed.train()
+    assert "have no checkpoint of their own" in capsys.readouterr().err
+    records = [r for r in read_metrics(resumed.run_dir.metrics) if "test_accuracy" in r]
+    first_after = next(r["test_accuracy"] for r in records if r["step"] > 200)
+    assert result.step == 400 and first_after >= before - 0.02, (before, first_after)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from scaleout.compress import CompressSection
 from scaleout.nn.optim import OptimizerOptions
@@ -106,7 +106,10 @@ class ParameterServer:
         """
         if backups not in (0, 1):
             raise ValueError(f"backups = {backups}: a shard keeps 0 or 1 backup")
-        keeper = spawn(BackupKeeper, num_cpus=0, resource=resource) if backups else None
+        # The keeper beside the caller (the driver): a backup dies with the process that
+        # started it, so the keeper must not sit on a node that may be lost with a primary.
+        here = ray.get_runtime_context().get_node_id()
+        keeper = spawn(BackupKeeper, num_cpus=0, node=here) if backups else None
         policy = BackupPolicy(keeper, resource) if backups else None
         ranges = shard_ranges(initial.numel(), num_shards)
         shards = [
@@ -266,7 +269,8 @@ class ParameterServer:
             if failed is self.shards[slot] or self.backups[slot] is None:
                 self._recover_locked(slot, deadline)  # else: another thread did already
 
-    def _recover_locked(self, slot: int, deadline: float) -> None:
+    def _replace(self, slot: int, deadline: float) -> None:
+        """Promote shard `slot`'s backup, or give Ray a moment to restart the shard."""
         backup = self.backups[slot]
         if backup is not None:
             try:
@@ -278,18 +282,26 @@ class ParameterServer:
                 ) from None
             self.shards[slot] = backup
             self.failovers += 1
-        else:
-            if time.monotonic() > deadline:
-                raise ShardLost(
-                    f"parameter-server shard {slot} died and did not come back in "
-                    f"{RETRY_SECONDS:g} s; continue the run with --resume from the last "
-                    "checkpoint"
-                )
-            time.sleep(0.2)
-        try:
-            held = ray.get(self.shards[slot].applied_for.remote(self.client))
-        except RayActorError:
-            return  # still restarting, or its successor died too: the caller tries again
+            return
+        if time.monotonic() > deadline:
+            raise ShardLost(
+                f"parameter-server shard {slot} died and did not come back in "
+                f"{RETRY_SECONDS:g} s; continue the run with --resume from the last "
+                "checkpoint"
+            )
+        time.sleep(0.2)
+
+    def _recover_locked(self, slot: int, deadline: float) -> None:
+        # Until the successor answers, nothing else of this client may reach it: a push
+        # sent to a restarted shard before the count would hide the updates it lost.
+        while True:
+            self._replace(slot, deadline)
+            try:
+                asked = self.shards[slot].applied_for.remote(self.client)
+                held = ray.get(asked, timeout=max(deadline - time.monotonic(), 1.0))
+                break
+            except (RayActorError, GetTimeoutError):
+                continue  # still restarting, or its successor died too
         self.updates_lost += max(self.acked[slot] - held, 0)
         self.acked[slot] = min(self.acked[slot], held)
         for push in self._unacked[slot]:  # in their order, before anything else of ours

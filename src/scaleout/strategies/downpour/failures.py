@@ -99,8 +99,13 @@ class ReplicaFailures:
         """Move restarted replicas on: once started, give them the layers trained so far
         (layer-wise) and attach them to the shards; once attached, they take chunks."""
         for replica_id, futures in list(self.starting.items()):
-            done, _ = ray.wait(futures, num_returns=len(futures), timeout=None if wait else 0)
+            limit = self.opts.timeout_s if wait else 0
+            done, _ = ray.wait(futures, num_returns=len(futures), timeout=limit)
             if len(done) < len(futures):
+                if wait:  # it cannot start (a node that never comes, a hung constructor)
+                    del self.starting[replica_id]
+                    late = TimeoutError(f"not started in {limit:g} s (downpour.timeout_s)")
+                    self._replica_failed(replica_id, 0, late)
                 continue
             replica = self.replicas[replica_id]
             try:

@@ -42,6 +42,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from scaleout.data import num_batches
 from scaleout.errors import ConfigError, UserError
 from scaleout.metrics import truncate_metrics
+from scaleout.progress import console
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share
 from scaleout.strategies.downpour import DownpourSection
@@ -59,6 +60,7 @@ CHUNK_STEPS = 20  # most steps handed to a replica at once
 
 class Downpour(ReplicaFailures):
     name = "downpour"
+    restartable = False  # it heals its own workers; a failure it cannot heal ends the run
 
     def __init__(self, job: Job) -> None:
         self.job, self.cfg = job, job.train
@@ -154,9 +156,27 @@ class Downpour(ReplicaFailures):
             self.weights = resume.tensors  # checkpoint of their own, start from it
             self._load_weights(self.replicas, str(resume.path))
         self._begin_phase(self._phase_of(self.step), fresh=self._at_phase_start())
+        if resume is not None:
+            self._say_which_shards_restored(resume)
         self.placement = placement(self.replicas, self.lanes)
         self._reported = time.perf_counter()
         return {}
+
+    def _say_which_shards_restored(self, resume: Resume) -> None:
+        """A shard without a checkpoint of its own (deleted, or on a disk that was lost)
+        starts from the driver's checkpoint: its weights, but a fresh optimizer state."""
+        fresh = [
+            f"{info['shard']}"
+            for _, server in self.lanes.all()
+            for info in server.info()
+            if info["restored_version"] is None
+        ]
+        if fresh:
+            console.print(
+                f"shards {', '.join(fresh)} have no checkpoint of their own: they start from "
+                f"the weights in {resume.path.name} with a fresh {self.job.train.optimizer} "
+                "state"
+            )
 
     def _at_phase_start(self) -> bool:
         assert self._plan is not None
