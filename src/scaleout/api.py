@@ -261,7 +261,7 @@ def prepare(
             f"put back the previous run in {run_dir.path}: an --overwrite killed before it "
             "started training had set it aside"
         )
-    console.print(f"[bold]{job.run.name}[/]: strategy {spec.name}, writing {run_dir.path}")
+    console.print(f"{job.run.name}: strategy {spec.name}, writing {run_dir.path}")
     return Run(job, strategy, run_dir, resume, spec.uses_ray)
 
 

@@ -15,9 +15,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-# Logs and pipes get 120 columns, where rich would assume 80 and cut the bar's fields.
+# Logs and pipes get 120 columns, where rich would assume 80 and cut the bar's fields. No
+# markup: messages carry error texts and paths with brackets ("[/path/file.cc:78]").
 console = Console(
-    stderr=True, soft_wrap=True, highlight=False, width=None if sys.stderr.isatty() else 120
+    stderr=True,
+    soft_wrap=True,
+    highlight=False,
+    markup=False,
+    width=None if sys.stderr.isatty() else 120,
 )
 
 
