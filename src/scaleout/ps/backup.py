@@ -15,13 +15,17 @@ primary starts a new one from its own state and goes on.
 
 The backup is placed on another node than its primary when the cluster has one (a node
 lost whole takes only one of the two), on the same node otherwise (it still survives a
-process that dies).
+process that dies). A node that just lost a shard (a primary or a backup) gets no new backup
+for a while: Ray lists a dead node as alive until it has missed its health checks, and a
+backup sent there would never start. Starting a backup never fails the primary: when no
+node takes one in time, the primary goes on alone and tries again at its next push.
 """
 
 from __future__ import annotations
 
 import random
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +36,11 @@ from scaleout.runtime import kill, spawn
 
 # A backup that has not applied an update after this long is treated as lost.
 CONFIRM_TIMEOUT_S = 60.0
+# A new backup that has not started and taken the primary's state after this long is given
+# up for the next node (Ray may schedule it onto a node that died a moment ago).
+BACKUP_START_S = 30.0
+MAX_NODES_TRIED = 3  # other nodes tried for a new backup before the primary's own
+SHUN_S = 120.0  # a node that lost a shard gets no new backup for this long
 
 
 @dataclass(frozen=True)
@@ -69,20 +78,46 @@ class BackupLink:
     def __init__(self, policy: BackupPolicy) -> None:
         self.policy = policy
         self.handle: Any = None
+        self.node: str | None = None  # where the backup runs
         self.started = 0  # backups started (the first one included)
+        self.shunned: dict[str, float] = {}  # node -> until when no backup goes there
+        self.retry_at = 0.0  # after a start that failed everywhere: when to try again
+
+    def shun(self, node: str | None) -> None:
+        """Place no backup on `node` for a while: it lost a shard, and Ray may still list it
+        alive (it declares a node dead only after missed health checks)."""
+        if node is not None:
+            self.shunned[node] = time.monotonic() + SHUN_S
 
     def start(
         self, actor_class: type, args: tuple[Any, ...], state: dict[str, Any], node: str
     ) -> Any:  # noqa: ANN401
         """Start a backup (`actor_class(*args)`) and give it `state`, the primary's whole
-        state at this moment; return its handle."""
+        state at this moment; return its handle, or None when no node took it in time (the
+        primary goes on alone and tries again at its next push).
+
+        Other nodes are tried first (a few, in random order), then the primary's own `node`;
+        each has BACKUP_START_S to start the process and take the state."""
         keeper, resource = self.policy.keeper, self.policy.resource
-        where = self._other_node(node)
-        handle = ray.get(keeper.spawn.remote(actor_class, args, where, resource))
-        ray.get(handle.adopt.remote(state))
-        self.handle = handle
-        self.started += 1
-        return handle
+        for where in [*self._other_nodes(node)[:MAX_NODES_TRIED], node]:
+            handle = ray.get(keeper.spawn.remote(actor_class, args, where, resource))
+            try:
+                placed = ray.get(handle.adopt.remote(state, node), timeout=BACKUP_START_S)
+            except (RayActorError, GetTimeoutError) as error:
+                _say(f"a backup could not start on node {where[:8]} ({type(error).__name__})")
+                kill([handle])
+                self.shun(where)
+                continue
+            self.handle, self.node = handle, placed
+            self.started += 1
+            return handle
+        self.handle, self.node = None, None
+        self.retry_at = time.monotonic() + BACKUP_START_S
+        return None
+
+    def due(self) -> bool:
+        """Whether a primary without a backup should try to start one now."""
+        return self.handle is None and time.monotonic() >= self.retry_at
 
     def forward(self, method: str, *args: Any) -> Any:  # noqa: ANN401 - a Ray future
         """Hand an update to the backup (it runs while the primary applies its own)."""
@@ -99,22 +134,29 @@ class BackupLink:
             ray.get(future, timeout=CONFIRM_TIMEOUT_S)
             return True
         except (RayActorError, GetTimeoutError) as error:
-            print(
-                f"shard {shard_id}: its backup is lost ({type(error).__name__}); starting "
-                "a new one",
-                file=sys.stderr,
+            _say(
+                f"shard {shard_id}: its backup is lost ({type(error).__name__}); starting a new one"
             )
             kill([self.handle])
-            self.handle = None
+            self.shun(self.node)
+            self.handle, self.node = None, None
             return False
 
-    def _other_node(self, node: str) -> str | None:
-        """A node other than `node` that can hold the backup, or None (the same node)."""
+    def _other_nodes(self, node: str) -> list[str]:
+        """Nodes other than `node` that can hold the backup, in random order, shunned ones
+        left out."""
+        now = time.monotonic()
         candidates = [
             n["NodeID"]
             for n in ray.nodes()
             if n.get("Alive")
             and n["NodeID"] != node
+            and self.shunned.get(n["NodeID"], 0.0) < now
             and (self.policy.resource is None or n["Resources"].get(self.policy.resource))
         ]
-        return random.choice(candidates) if candidates else None
+        random.shuffle(candidates)
+        return candidates
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)

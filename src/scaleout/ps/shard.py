@@ -92,6 +92,7 @@ class ParameterShard:
         self.stats = {"pushes": 0, "pulls": 0, "bytes_in": 0, "bytes_out": 0, "staleness_sum": 0}
         self.applied: dict[str, int] = {}  # client -> sequence number of its last push applied
         self.is_backup, self.promoted = is_backup, False
+        self.primary_node: str | None = None  # a backup's primary's node (`adopt`)
         self.link = BackupLink(backup) if backup is not None else None
         self.empty = False  # restarted by Ray with nothing to restore: refuses every call
         if self.checkpoints is not None and self.checkpoints.latest() is not None and not is_backup:
@@ -147,7 +148,8 @@ class ParameterShard:
         )
         result = self._apply(payload, base_version, client, seq)
         if self.link is not None and not self.link.confirm(forward, self.shard_id):
-            self._start_backup()  # it holds this update too: the state is copied after it
+            if self.link.due():  # it holds this update too: the state is copied after it
+                self._start_backup()
         self._maybe_checkpoint()
         return result
 
@@ -183,12 +185,15 @@ class ParameterShard:
         return bool(client) and seq <= self.applied.get(client, 0)
 
     def promote(self) -> Any:  # noqa: ANN401 - the new backup's handle
-        """The primary died: this backup becomes the primary, starts a backup of its own,
-        and returns it. Every client that finds the primary dead calls this; the first
-        promotes, the others get the same answer."""
+        """The primary died: this backup becomes the primary, starts a backup of its own
+        (not on the node the primary was lost with), and returns it (None when none could
+        start: the next push tries again). Every client that finds the primary dead calls
+        this; the first promotes, the others get the same answer."""
         if self.is_backup:
             self.is_backup, self.promoted = False, True
             self.restored_version = self.version
+            if self.link is not None:
+                self.link.shun(self.primary_node)
             self._start_backup()
         return self.link.handle if self.link is not None else None
 
@@ -198,9 +203,14 @@ class ParameterShard:
         checkpoint; never after a failover to the backup)."""
         return self.applied.get(client, 0)
 
-    def adopt(self, state: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
-        """A new backup takes its primary's whole state (`_state()`)."""
+    def adopt(
+        self, state: tuple[dict[str, torch.Tensor], dict[str, Any]], primary_node: str
+    ) -> str:
+        """A new backup takes its primary's whole state (`_state()`) and notes where the
+        primary runs; returns its own node."""
         self._load(*state)
+        self.primary_node = primary_node
+        return ray.get_runtime_context().get_node_id()
 
     def _start_backup(self) -> None:
         assert self.link is not None

@@ -31,11 +31,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from scaleout.errors import UserError
-from scaleout.runtime.actors import cpu_share, kill, spawn
+from scaleout.runtime.actors import START_TIMEOUT_S, cpu_share, kill, spawn
 from scaleout.runtime.device import resolve_device
 from scaleout.runtime.security import is_auth_failure, loopback_node, token_auth, token_rejected
 
 __all__ = [
+    "START_TIMEOUT_S",
     "Runtime",
     "connect",
     "cpu_share",

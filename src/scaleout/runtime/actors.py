@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# A new actor imports torch and builds its model and data before it answers: on a busy
+# machine that takes tens of seconds, which a watchdog for progress must not count.
+START_TIMEOUT_S = 120.0
+
 
 def cpu_share(count: int, limit: float = 1.0) -> float:
     """CPUs per actor so that `count` actors fit the cluster at once (at most `limit`):

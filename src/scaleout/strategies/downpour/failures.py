@@ -14,7 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from scaleout.errors import UserError
 from scaleout.progress import console
-from scaleout.runtime import describe_failure
+from scaleout.runtime import START_TIMEOUT_S, describe_failure
 
 if TYPE_CHECKING:
     from scaleout.strategies.downpour import DownpourSection
@@ -99,12 +99,13 @@ class ReplicaFailures:
         """Move restarted replicas on: once started, give them the layers trained so far
         (layer-wise) and attach them to the shards; once attached, they take chunks."""
         for replica_id, futures in list(self.starting.items()):
-            limit = self.opts.timeout_s if wait else 0
+            # Start-up (imports, model, data) is not progress: it gets at least START_TIMEOUT_S.
+            limit = max(self.opts.timeout_s, START_TIMEOUT_S) if wait else 0
             done, _ = ray.wait(futures, num_returns=len(futures), timeout=limit)
             if len(done) < len(futures):
                 if wait:  # it cannot start (a node that never comes, a hung constructor)
                     del self.starting[replica_id]
-                    late = TimeoutError(f"not started in {limit:g} s (downpour.timeout_s)")
+                    late = TimeoutError(f"not started in {limit:g} s")
                     self._replica_failed(replica_id, 0, late)
                 continue
             replica = self.replicas[replica_id]

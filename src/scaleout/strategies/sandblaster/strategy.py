@@ -32,7 +32,14 @@ from scaleout.progress import console
 from scaleout.ps.layout import FlatParameters, shard_ranges
 from scaleout.ps.vectors import VectorShard
 from scaleout.rundir import RunDir
-from scaleout.runtime import cpu_share, describe_failure, kill, resolve_device, spawn
+from scaleout.runtime import (
+    START_TIMEOUT_S,
+    cpu_share,
+    describe_failure,
+    kill,
+    resolve_device,
+    spawn,
+)
 from scaleout.runtime.actors import check_capacity
 from scaleout.strategies.sandblaster import SandblasterSection
 from scaleout.strategies.sandblaster.lbfgs import LbfgsState, ShardedVectors, lbfgs
@@ -41,8 +48,6 @@ from scaleout.train.job import Job
 from scaleout.train.objective import Supervised, is_classification
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 from scaleout.train.state import model_tensors
-
-START_TIMEOUT_S = 120.0  # at least this long for a replica to start (imports, data)
 
 
 class Interrupted(Exception):
