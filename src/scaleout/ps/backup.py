@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayActorError
 
 from scaleout.runtime import kill, spawn
 
@@ -100,12 +100,15 @@ class BackupLink:
         each has BACKUP_START_S to start the process and take the state."""
         keeper, resource = self.policy.keeper, self.policy.resource
         for where in [*self._other_nodes(node)[:MAX_NODES_TRIED], node]:
-            handle = ray.get(keeper.spawn.remote(actor_class, args, where, resource))
+            handle = None
             try:
+                spawned = keeper.spawn.remote(actor_class, args, where, resource)
+                handle = ray.get(spawned, timeout=BACKUP_START_S)
                 placed = ray.get(handle.adopt.remote(state, node), timeout=BACKUP_START_S)
-            except (RayActorError, GetTimeoutError) as error:
+            except (RayActorError, ActorUnschedulableError, GetTimeoutError) as error:
                 _say(f"a backup could not start on node {where[:8]} ({type(error).__name__})")
-                kill([handle])
+                if handle is not None:
+                    kill([handle])
                 self.shun(where)
                 continue
             self.handle, self.node = handle, placed

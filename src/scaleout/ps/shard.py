@@ -239,6 +239,7 @@ class ParameterShard:
             "restored_version": self.restored_version,
             "checkpoint_version": self._saved_version,
             "backup": self.link is not None and self.link.handle is not None,
+            "backup_node": self.link.node if self.link is not None else None,
             "backups_started": self.link.started if self.link is not None else 0,
             "promoted": self.promoted,
             "checkpoint_failures": self.checkpoint_failures,

@@ -97,8 +97,9 @@ def spawn(
     started with `ray start --resources '{"ps": 100}'`); `max_restarts`: how often Ray
     restarts the process when it dies (its constructor runs again); `placement`: (placement
     group, bundle index) for workers that must sit together; otherwise actors are spread
-    over the nodes (`spread`); `node`: preferably on that node (a node ID; elsewhere if it is
-    gone).
+    over the nodes (`spread`); `node`: on that node and no other (a node ID; the actor
+    fails with `ActorUnschedulableError` when the node is gone: Ray's soft affinity was seen
+    to place an actor elsewhere with its node alive, which put a keeper on a shard's node).
     """
     import ray
 
@@ -120,7 +121,7 @@ def spawn(
     elif node is not None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     elif spread:
         options["scheduling_strategy"] = "SPREAD"
     return ray.remote(actor_class).options(**options).remote(*args)

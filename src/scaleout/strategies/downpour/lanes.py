@@ -104,8 +104,10 @@ class Lanes:
             if server is not None
         ]
 
-    def nodes(self) -> list[str]:
-        return [info["node"] for _, server in self.all() for info in server.info()]
+    def nodes(self) -> list[tuple[str, str | None]]:
+        """Per shard: the node of its primary, and of its backup (None without one)."""
+        infos = [info for _, server in self.all() for info in server.info()]
+        return [(info["node"], info["backup_node"]) for info in infos]
 
     def checkpoint(self) -> None:
         for _, server in self.all():

@@ -123,7 +123,11 @@ def placement(replicas: list[Replica], lanes: Lanes) -> dict[str, list[str]]:
     several nodes, and kept in checkpoints."""
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     nodes = [addresses.get(r.node(), "?") for r in replicas]
-    shard_nodes = [addresses.get(node, "?") for node in lanes.nodes()]
-    if len(set(nodes + shard_nodes)) > 1:
-        console.print(f"shards on {shard_nodes}; replicas on {nodes}")
-    return {"shards": shard_nodes, "replicas": nodes}
+    shards = lanes.nodes()
+    shard_nodes = [addresses.get(primary, "?") for primary, _ in shards]
+    backup_nodes = [addresses.get(backup, "?") for _, backup in shards if backup is not None]
+    if len(set(nodes + shard_nodes + backup_nodes)) > 1:
+        backups = f"; backups on {backup_nodes}" if backup_nodes else ""
+        console.print(f"shards on {shard_nodes}{backups}; replicas on {nodes}")
+    placed = {"shards": shard_nodes, "replicas": nodes}
+    return {**placed, "backups": backup_nodes} if backup_nodes else placed
