@@ -423,3 +423,17 @@ def test_a_shard_retries_at_the_next_due_point(tmp_path, shard_threads, monkeypa
     assert shard.checkpoints.steps() == [0, 4]
     tensors, meta = load_checkpoint(shard.checkpoints.latest())
     assert meta["version"] == 4 and not list(shard.checkpoints.directory.glob("*.tmp"))
+
+
+def test_a_relative_run_directory_is_made_absolute_on_the_driver(tmp_path, monkeypatch):
+    """Shards and replicas on other nodes are handed the run directory: a relative one
+    would put their checkpoints wherever `ray start` ran on their node."""
+    monkeypatch.chdir(tmp_path)
+    settings = config(tmp_path)
+    settings["run"]["out_dir"] = "relative/runs"
+    run = prepare(settings)
+    try:
+        assert run.job.run.out_dir == tmp_path / "relative" / "runs"
+        assert run.job.run_dir.is_absolute() and run.run_dir.path.is_absolute()
+    finally:
+        run.close()
