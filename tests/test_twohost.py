@@ -30,7 +30,10 @@ pytestmark = [
 
 def write_config(tmp_path: Path, name: str) -> Path:
     config = tmp_path / f"{name}.toml"
-    config.write_text(CONFIG.format(name=name, out=tmp_path / "runs", steps=300, num_train=16384))
+    text = CONFIG.format(
+        name=name, out=tmp_path / "runs", steps=300, num_train=16384, num_replicas=2, pin=""
+    )
+    config.write_text(text)
     return config
 
 
@@ -79,4 +82,21 @@ def test_host_holding_a_shard_primary_lost_whole(tmp_path):
         f"failures {[f.get('kind') for f in lost['failures']]}, updates lost "
         f"{lost['shard_updates_lost']}, steps lost {lost['steps_lost']}; "
         f"{loss.lost_s:.0f} s vs {loss.reference_s:.0f} s"
+    )
+
+
+def test_host_lost_whole_costs_one_replica_nothing(tmp_path):
+    """One replica, pinned to host 0: a run is deterministic, so a failover that loses no
+    update and applies none twice logs exactly the fault-free run's evaluations, although
+    the host holding shard 0's primary (and shard 1's backup, or primary) is killed whole."""
+    loss = lose_a_shard_host(tmp_path, steps=600, kill_after=200, num_replicas=1, pin_replicas=True)
+    lost, reference = loss.lost, loss.references[0]
+    assert loss.killed > 0 and lost["step"] == 600 and lost["shard_updates_lost"] == 0
+    assert any("shard" in f for f in lost["failures"])
+    assert lost["final_test_accuracy"] == reference["final_test_accuracy"]
+    assert lost["metrics"]["test_loss"] == pytest.approx(reference["metrics"]["test_loss"], 1e-6)
+    print(
+        f"\none replica, host {loss.victim} killed at step 200: final accuracy "
+        f"{lost['final_test_accuracy']:.4f} vs {reference['final_test_accuracy']:.4f} fault-free,"
+        f" test loss {lost['metrics']['test_loss']:.6f} vs {reference['metrics']['test_loss']:.6f}"
     )

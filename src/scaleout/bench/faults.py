@@ -21,12 +21,13 @@ The first rows are what the backups cost: the fault-free Downpour run's examples
 process on this machine), and how far apart fault-free asynchronous runs end (Downpour
 runs are compared with the mean of three, the testnet host's with the mean of two).
 
-Faults: SIGKILL of a Downpour replica, a shard's primary, a shard's backup, the driver
-(then `--resume`), a Sandblaster replica mid-portion, a sync worker and a model-parallel
-grid worker; a Downpour replica stopped (SIGSTOP: alive but silent, for the watchdog); a
-full disk (a tmpfs filled up: the run stops with one line, space is freed, `--resume`);
-and a whole testnet host with its Ray node, holding a shard primary (three emulated hosts).
-The last two need root; without it their rows are left out and a note says why.
+Faults: SIGKILL of a Downpour replica, a shard's primary, a shard's backup, the driver (then
+`--resume`), a Sandblaster replica mid-portion, a sync worker and a model-parallel grid
+worker; a Downpour replica stopped (SIGSTOP: alive but silent, for the watchdog) and, as its
+control, one killed and not restarted (the run goes on with one replica); a full disk (a
+tmpfs filled up: the run stops with one line, space is freed, `--resume`); and a whole
+testnet host with its Ray node, holding a shard primary (three emulated hosts). The last two
+need root; without it their rows are left out and a note says why.
 """
 
 from __future__ import annotations
@@ -221,15 +222,32 @@ def _signal_replica_or_shard(
     """Send `sig` to the process `pid_of(run)` names once the run passed `KILL_AT`."""
     faulted = _downpour(root, "_".join(fault.split()[1:3]), *more)
     signalled: list[int] = []
+    at: list[int] = []
 
     def act() -> None:
         signalled.append(pid_of(faulted))
+        at.append(faulted.strategy.step)
         _kill(signalled[-1], sig)
 
     done = _train(faulted, _when(lambda: faulted.strategy.step >= KILL_AT, act))
     for pid in signalled:  # a stopped process the watchdog did not end
         _kill(pid)
-    return _outcome(fault, done, reference, done.summary.get("steps_lost", 0))
+    note = ""
+    # A replica found stuck late, or not restarted: the other one trains alone meanwhile.
+    alone = [
+        f
+        for f in faulted.strategy.failures
+        if f.get("kind") == "stuck" or (f.get("kind") == "died" and not f["restarted"])
+    ]
+    if at and alone:
+        until = alone[0]["step"] if alone[0]["restarted"] else done.steps
+        found = f", found stuck at step {until}" if alone[0]["kind"] == "stuck" else ""
+        note = (
+            f"signalled at step {at[0]}{found}: at least {(until - at[0]) / done.planned:.0%} "
+            "of the run's steps were trained by the other replica alone, on its own part of "
+            "the training set (each Downpour replica owns one)"
+        )
+    return _outcome(fault, done, reference, done.summary.get("steps_lost", 0), note)
 
 
 def _downpour_faults(root: Path, reference: Done) -> list[Outcome]:
@@ -255,6 +273,12 @@ def _downpour_faults(root: Path, reference: Done) -> list[Outcome]:
             lambda r: r.strategy.replicas[1].pid(),
             signal.SIGSTOP,
             ["downpour.timeout_s=10"],
+        ),
+        # The control for the stuck replica: what training on with one replica costs.
+        "downpour replica lost for good (SIGKILL, max_restarts 0)": (
+            lambda r: r.strategy.replicas[1].pid(),
+            signal.SIGKILL,
+            ["downpour.max_restarts=0"],
         ),
     }
     for fault, (pid_of, sig, more) in victims.items():

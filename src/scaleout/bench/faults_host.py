@@ -47,12 +47,12 @@ eval_every = 200
 log_every = 50
 checkpoint_every = 200
 [downpour]
-num_replicas = 2
+num_replicas = {num_replicas}
 num_shards = 2
 warmstart_steps = 0
 shard_resource = "ps"
 shard_backups = 1
-"""
+{pin}"""
 
 SHARDS_LINE = re.compile(r"shards on \[([^\]]*)\]")
 BACKUPS_LINE = re.compile(r"backups on \[([^\]]*)\]")
@@ -99,17 +99,29 @@ def lose_a_shard_host(
     kill_after: int = 300,
     num_train: int = 16384,
     num_references: int = 1,
+    num_replicas: int = 2,
+    pin_replicas: bool = False,
 ) -> HostLoss:
     """Run `num_references` fault-free runs and the faulted run on one testnet cluster (see
-    the module)."""
+    the module). `pin_replicas`: the replicas run in host 0 only (which is never killed), so
+    that the host's loss takes shards and nothing else: with one replica, a run is then
+    deterministic, and a failover that loses nothing logs the fault-free run's metrics."""
     root.mkdir(parents=True, exist_ok=True)
     names = [f"reference_{i}" for i in range(num_references)] + ["lost"]
     configs = {}
     for name in names:
         configs[name] = root / f"{name}.toml"
-        text = CONFIG.format(name=name, out=root / "runs", steps=steps, num_train=num_train)
+        text = CONFIG.format(
+            name=name,
+            out=root / "runs",
+            steps=steps,
+            num_train=num_train,
+            num_replicas=num_replicas,
+            pin='replica_resource = "driver_host"\n' if pin_replicas else "",
+        )
         configs[name].write_text(text)
-    with testnet_cluster(num_cpus=[2, 1, 1], resources=[{}, {"ps": 100}, {"ps": 100}]) as cluster:
+    resources = [{"driver_host": 100}, {"ps": 100}, {"ps": 100}]
+    with testnet_cluster(num_cpus=[2, 1, 1], resources=resources) as cluster:
         seconds = []
         for name in names[:-1]:
             started = time.perf_counter()
