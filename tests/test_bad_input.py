@@ -45,6 +45,8 @@ def fails_before_writing(tmp_path: Path, config: str, *overrides: str) -> str:
         ("configs/mnist_single.toml", ["train.lr=nan"], "train.lr"),
         ("configs/mnist_downpour.toml", ["downpour.num_replicas=1000000"], "num_replicas"),
         ("configs/mnist_sandblaster.toml", ["sandblaster.num_shards=100000000"], "num_shards"),
+        # found by the property test: 10^12 loader processes exhausted memory (OOM)
+        ("configs/mnist_single.toml", ["loader.workers=1000000000000"], "loader.workers"),
     ],
 )
 def test_validation_errors_before_any_worker(tmp_path, config, overrides, names):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+from pydantic import Field, NonNegativeFloat, PositiveInt
 from torch.utils.data import Dataset
 
 from scaleout.config import Section
@@ -247,8 +247,14 @@ DATA_SECTIONS: tuple[type[DataSource], ...] = (
 )
 
 
+MAX_LOADER_WORKERS = 64
+
+
 class LoaderSection(Section):
-    workers: NonNegativeInt = 0  # 0: load in the training process
+    # 0: load in the training process. At most MAX_LOADER_WORKERS per training process:
+    # each is a process holding its own copy of the data set's state (about 0.5 GB for
+    # MNIST), and a huge count would exhaust memory before it failed.
+    workers: Annotated[int, Field(ge=0, le=MAX_LOADER_WORKERS)] = 0
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pin when training on CUDA
     prefetch_factor: PositiveInt = 2  # batches each loader process prepares ahead
     device_prefetch: bool = True  # copy batch k+1 to the device (non-blocking) while k trains
