@@ -4,6 +4,8 @@
     scaleout info CONFIG [--set key=value ...]
     scaleout report RUN_DIR
     scaleout bench SUITE | --list
+    scaleout calibrate [CONFIG ...] [--out FILE]
+    scaleout simulate CONFIG [--machines 1,2,...] [--link 1gbit] [--sweep key=v1,v2] ...
 
 A user error (bad config, missing data, corrupted checkpoint) prints one line per problem
 and exits with status 2; Ctrl-C during training saves a checkpoint and exits with 130.
@@ -27,6 +29,7 @@ from scaleout.errors import UserError
 out = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 
+DEMO_CONFIG = Path("configs/mnist_downpour.toml")
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
@@ -126,6 +129,58 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from scaleout.api import load_config
+    from scaleout.sim.calibrate import calibrate
+
+    configs = [load_config(path) for path in args.configs or [DEMO_CONFIG]]
+    calibration = calibrate(configs, say=lambda line: err.print(f"measuring {line}"))
+    path = calibration.save(args.out)
+    out.print(f"wrote {path}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from scaleout.sim.simulate import Request, parse_machines, simulate, write
+
+    request = Request(
+        config=args.config,
+        machines=parse_machines(args.machines),
+        link=args.link,
+        latency_s=args.latency,
+        cores_per_machine=args.cores_per_machine,
+        calibration=args.calibration,
+        hardware=args.hardware,
+        sweep=list(args.sweep),
+        overrides=list(args.set),
+        steps=args.steps,
+    )
+    rows = simulate(request, progress=lambda line: err.print(f"simulating {line}"))
+    keys = [item.partition("=")[0] for item in request.sweep]
+    table = Table(title=f"simulate {args.config} over {args.link}")
+    columns = [*keys, "machines", "examples/s", "step ms", "bottleneck", "utilisation"]
+    for column in [*columns, "wire MB", "staleness"]:
+        left = column in ("bottleneck", "utilisation")
+        table.add_column(column, justify="left" if left else "right")
+    for row in rows:
+        busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in row["utilisation"].items())
+        stale = row.get("staleness_mean")
+        table.add_row(
+            *(str(row[k]) for k in keys),
+            str(row["machines"]),
+            f"{row['examples_per_s']:,.0f}",
+            f"{1000 * row['step_s']:.2f}",
+            row["bottleneck"],
+            busy,
+            f"{row['wire_bytes'] / 1e6:,.0f}",
+            "" if stale is None else f"{stale:.2f} (max {row['staleness_max']})",
+        )
+    out.print(table)
+    json_path, png_path = write(rows, request, args.out)
+    out.print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
 def _print_summary(summary: dict, run_dir: Path) -> None:
     table = Table(title=f"run {run_dir}", show_header=False)
     for key, value in summary.items():
@@ -196,6 +251,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write <suite>.json and .png (default: results)",
     )
     bench.set_defaults(handler=_bench)
+
+    calibrate = verbs.add_parser(
+        "calibrate", help="measure this machine's costs for `scaleout simulate`"
+    )
+    calibrate.add_argument(
+        "configs", nargs="*", type=Path, help=f"configs whose models to time ({DEMO_CONFIG})"
+    )
+    calibrate.add_argument(
+        "--out", type=Path, default=Path("results/calibration.json"), help="where to write it"
+    )
+    calibrate.set_defaults(handler=_calibrate)
+
+    simulate = verbs.add_parser(
+        "simulate", help="predict a config's speed on 1..1000 machines (calibrated simulation)"
+    )
+    simulate.add_argument("config", type=Path, help="run config (TOML)")
+    simulate.add_argument("--machines", default="1", help="machine counts, e.g. 1,2,4,8")
+    simulate.add_argument(
+        "--link", default="1gbit", help="100mbit, 1gbit, 10gbit, ib56 or a rate (250mbit)"
+    )
+    simulate.add_argument("--latency", type=float, help="one-way link latency in seconds")
+    simulate.add_argument("--cores-per-machine", type=float, help="default: this machine's")
+    simulate.add_argument(
+        "--calibration",
+        type=Path,
+        default=Path("results/calibration.json"),
+        help="from `scaleout calibrate` (default results/calibration.json)",
+    )
+    simulate.add_argument("--hardware", type=Path, help="another machine's calibration file")
+    simulate.add_argument(
+        "--sweep", action="append", default=[], metavar="KEY=V1,V2", help="repeatable"
+    )
+    simulate.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="as `scaleout train`"
+    )
+    simulate.add_argument("--steps", type=int, help="steps to simulate (default: the run's)")
+    simulate.add_argument(
+        "--out", type=Path, default=Path("results/sim"), help="writes simulate.json and .png"
+    )
+    simulate.set_defaults(handler=_simulate)
     return parser
 
 

@@ -77,6 +77,14 @@ def layout(codec: str, numel: int, block_size: int) -> tuple[int, int]:
     return numel, num_blocks
 
 
+def payload_size(codec: str, shape: tuple[int, ...], block_size: int, crc: bool = True) -> int:
+    """Bytes of `Encoded.to_bytes` for a tensor of `shape`: what a message of it weighs on
+    the wire (the simulator counts bytes with this)."""
+    codes, scales = layout(codec, math.prod(shape), block_size)
+    head = _HEAD.size + _U64.size * (len(shape) + 2)
+    return head + codes + 4 * scales + (_CRC.size if crc else 0)
+
+
 @dataclass(frozen=True)
 class Encoded:
     """A compressed tensor: what `Codec.encode` returns and `Codec.decode` takes.

@@ -1,0 +1,326 @@
+"""Downpour SGD's schedule as a simulation (`scaleout.strategies.downpour`).
+
+What runs, as the library runs it:
+
+- the driver hands chunks of at most `CHUNK_STEPS` steps (never past the next metrics line)
+  to whichever replica is free; the first `warmstart_steps` go to replica 0 alone, which
+  then stops exactly at each evaluation and checkpoint; at an evaluation the driver waits
+  for replica 0 to finish its chunk, then replica 0 fetches the shards' values and runs the
+  test set, while the others finish their chunks and wait for the driver;
+- a replica (`ReplicaClient`, threads off) fetches every `n_fetch` steps from all shards at
+  once, computes a step, and every `n_push` steps waits until its previous push is applied,
+  encodes its gradient per shard, puts it into the object store and goes on;
+- a shard (`ParameterShard`) is one actor: pulls and pushes queue and are served one at a
+  time on its machine's cores (decode, optimizer step); it checkpoints every
+  `shard_checkpoint_every` updates.
+
+Byte counts are the library's: the shard ranges (`shard_ranges`) and each push's payload
+size (`Wire` / `payload_size`). Costs are the calibration's: a pull's and a push's fixed and
+per-byte costs (measured through a real shard: the fixed part is the Ray call, work on the
+caller's cores; the per-byte part is split half on each side of the call); codec
+and optimizer costs per value; the model's step at its threads, slowed when several
+replicas compute on one machine as calibrated.
+
+Placement: `--machines 1` puts every replica and shard on one machine, as `scaleout train`
+does here. On N > 1 machines each machine runs one replica (`run.num_threads` threads),
+so there are N replicas, and shard i sits on machine i mod N (Ray spreads them), where it
+shares the cores and the link with that machine's replica.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from scaleout.compress.payload import payload_size
+from scaleout.ps.layout import shard_ranges
+from scaleout.sim.engine import Cluster, Process
+from scaleout.sim.result import Result, bottleneck
+from scaleout.sim.setting import Setting, model_cost
+
+CHUNK_STEPS = 20  # scaleout.strategies.downpour.strategy.CHUNK_STEPS
+STEADY_STEPS_PER_REPLICA = 30  # simulated when the run itself is longer than needed
+
+
+@dataclass
+class _Shard:
+    index: int
+    machine: int
+    numel: int
+    queue: simpy.Resource
+    busy: float = 0.0
+    version: int = 0
+    updates: int = 0
+
+
+@dataclass
+class _Replica:
+    index: int
+    machine: int
+    versions: list[int]
+    steps: int = 0
+    compute_s: float = 0.0
+    pending: list[simpy.Event] = field(default_factory=list)
+    free: simpy.Event | None = None  # set when its current chunk ends
+
+
+class DownpourSim:
+    """One simulated Downpour run of `config` (a `RunConfig`) in `setting`."""
+
+    def __init__(self, config: Any, setting: Setting) -> None:  # noqa: ANN401
+        from scaleout.strategies.downpour import DownpourSection
+
+        self.config, self.setting = config, setting
+        cal = self.cal = setting.calibration
+        self.opts: DownpourSection = config.downpour
+        self.train = config.train
+        self.cost = model_cost(config, cal)
+        self.threads = config.run.num_threads or 1
+        machines = setting.machines
+        self.num_replicas = self.opts.num_replicas if machines == 1 else machines
+        self.cluster = Cluster(machines, setting.cores_per_machine, setting.link)
+        for machine in self.cluster.machines:
+            machine.cores.slowdown = self.cost.slowdown
+        env = self.env = self.cluster.env
+        self.numel = self.cost.num_parameters
+        ranges = shard_ranges(self.numel, min(self.opts.num_shards, self.numel))
+        self.shards = [
+            _Shard(i, i % machines, stop - start, simpy.Resource(env, capacity=1))
+            for i, (start, stop) in enumerate(ranges)
+        ]
+        self.replicas = [
+            _Replica(r, r % machines, [0] * len(self.shards)) for r in range(self.num_replicas)
+        ]
+        compress = config.compress
+        self.codec = compress.codec
+        self.push_bytes = [
+            4 * s.numel
+            if compress.is_identity
+            else payload_size(compress.codec, (s.numel,), compress.block_size or 0)
+            for s in self.shards
+        ]
+        self.pull_bytes = [4 * s.numel for s in self.shards]
+        self.staleness: list[int] = []
+        self.step = self.examples = 0
+        self.pushes = self.pulls = 0
+        self.times: list[tuple[float, int]] = []  # (time, examples) after each chunk
+
+    # --- one shard call --------------------------------------------------------------------
+
+    def _serve(self, shard: _Shard, seconds: float) -> Process:
+        """`seconds` of one thread's work on the shard, after the calls queued before."""
+        with shard.queue.request() as turn:
+            yield turn
+            started = self.env.now
+            yield from self.cluster.machines[shard.machine].work(seconds)
+            shard.busy += self.env.now - started
+
+    def _pull(self, replica: _Replica, shard: _Shard, kind: str = "pull") -> Process:
+        nbytes = self.pull_bytes[shard.index]
+        cost = self.cal.pull
+        half = nbytes / cost.bytes_per_s / 2
+        yield from self.cluster.machines[replica.machine].work(cost.fixed_s)  # the Ray call
+        yield from self._serve(shard, half)  # the shard hands its slice to the object store
+        replica.versions[shard.index] = shard.version
+        yield from self.cluster.send(shard.machine, replica.machine, nbytes, kind)
+        yield from self.cluster.machines[replica.machine].work(half)  # into the parameters
+
+    def _apply(self, replica: _Replica, shard: _Shard, base_version: int) -> Process:
+        nbytes = self.push_bytes[shard.index]
+        yield from self.cluster.send(replica.machine, shard.machine, nbytes, "push")
+        seconds = (
+            nbytes / self.cal.push.bytes_per_s / 2
+            + self.cal.codec_s(self.codec, shard.numel, "decode")
+            + self.cal.apply_s(self.train.optimizer, shard.numel)
+        )
+        with shard.queue.request() as turn:
+            yield turn
+            started = self.env.now
+            yield from self.cluster.machines[shard.machine].work(seconds)
+            self.staleness.append(shard.version - base_version)
+            shard.version += 1
+            shard.updates += 1
+            every = self.opts.shard_checkpoint_every
+            if every and shard.updates % every == 0:
+                state = 4 * shard.numel * (2 if self.train.optimizer != "sgd" else 1)
+                yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
+            shard.busy += self.env.now - started
+
+    # --- a replica's steps -----------------------------------------------------------------
+
+    def _fetch(self, replica: _Replica) -> Process:
+        self.pulls += 1
+        yield self.env.all_of([self.env.process(self._pull(replica, s)) for s in self.shards])
+
+    def _push(self, replica: _Replica) -> Process:
+        if replica.pending:  # the previous push must be applied first (`_collect(wait=True)`)
+            yield self.env.all_of(replica.pending)
+        machine = self.cluster.machines[replica.machine]
+        cost = self.cal.push
+        encode = sum(self.cal.codec_s(self.codec, s.numel, "encode") for s in self.shards)
+        put = sum(b / cost.bytes_per_s / 2 for b in self.push_bytes)
+        yield from machine.work(encode + put + cost.fixed_s * len(self.shards))
+        self.pushes += 1
+        versions = list(replica.versions)
+        replica.pending = [
+            self.env.process(self._apply(replica, s, versions[s.index])) for s in self.shards
+        ]
+
+    def _chunk(self, replica: _Replica, steps: int) -> Process:
+        """`train_chunk(steps)` on the replica's actor."""
+        machine = self.cluster.machines[replica.machine]
+        step_s = self.cost.step_s(self.train.batch_size, self.threads)
+        for _ in range(steps):
+            if replica.steps % self.opts.n_fetch == 0:
+                yield from self._fetch(replica)
+            started = self.env.now
+            yield from machine.compute(step_s, self.threads)
+            replica.compute_s += self.env.now - started
+            replica.steps += 1
+            if replica.steps % self.opts.n_push == 0:
+                yield from self._push(replica)
+        yield from machine.work(2 * self.cal.pull.fixed_s)  # the chunk's answer to the driver
+
+    def _look(self, replica: _Replica) -> Process:
+        """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a
+        pull of training, so its bytes count as "look"."""
+        pulls = [self.env.process(self._pull(replica, s, "look")) for s in self.shards]
+        yield self.env.all_of(pulls)
+
+    def _evaluate(self, replica: _Replica) -> Process:
+        """Replica 0 fetches the shards' values and tests them."""
+        yield from self._look(replica)
+        seconds = self.cost.test_size * self.cost.eval_s
+        yield from self.cluster.machines[replica.machine].compute(seconds, self.threads)
+
+    def _checkpoint(self, replica: _Replica) -> Process:
+        """The shards checkpoint, then replica 0 writes the model."""
+        for shard in self.shards:
+            state = 4 * shard.numel * (2 if self.train.optimizer != "sgd" else 1)
+            yield from self._serve(shard, 0.0)
+            yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
+        yield from self._look(replica)
+        yield self.env.timeout(4 * self.numel / self.cal.checkpoint_bytes_per_s)
+
+    # --- the driver ------------------------------------------------------------------------
+
+    def _driver(self, total: int) -> Process:
+        env, cfg, opts = self.env, self.train, self.opts
+        in_flight: dict[int, simpy.Process] = {}
+        assigned = 0
+        while self.step < total:
+            warm = self.step < opts.warmstart_steps
+            active = [0] if warm else list(range(self.num_replicas))
+            limit = total
+            if len(active) == 1:  # one replica stops exactly at evaluations and checkpoints
+                limit = min(
+                    limit,
+                    (self.step // cfg.eval_every + 1) * cfg.eval_every,
+                    (self.step // cfg.checkpoint_every + 1) * cfg.checkpoint_every,
+                )
+            target = min((self.step // cfg.log_every + 1) * cfg.log_every, limit)
+            while self.step < target:
+                for r in active:
+                    end = target if assigned < target else limit
+                    steps = min(cfg.log_every, CHUNK_STEPS, end - assigned)
+                    if steps > 0 and r not in in_flight:
+                        in_flight[r] = env.process(self._chunk(self.replicas[r], steps))
+                        in_flight[r].steps = steps  # type: ignore[attr-defined]
+                        assigned += steps
+                done = yield env.any_of(list(in_flight.values()))
+                for r, proc in list(in_flight.items()):
+                    if proc in done:
+                        del in_flight[r]
+                        self.step += proc.steps  # type: ignore[attr-defined]
+                        self.examples += proc.steps * cfg.batch_size  # type: ignore[attr-defined]
+                self.times.append((env.now, self.examples))
+            evaluating = self.step % cfg.eval_every == 0 or self.step >= total
+            saving = self.step % cfg.checkpoint_every == 0 or self.step >= total
+            if (evaluating or saving) and 0 in in_flight:
+                yield in_flight[0]  # the call waits behind replica 0's chunk (counted next)
+            if evaluating:
+                yield env.process(self._evaluate(self.replicas[0]))
+            if saving:
+                yield env.process(self._checkpoint(self.replicas[0]))
+            self.times.append((env.now, self.examples))
+        for proc in in_flight.values():  # chunks still running end with the run
+            yield proc
+        for replica in self.replicas:  # `flush`: what is left is pushed, and applied
+            if replica.steps % opts.n_push:
+                yield from self._push(replica)
+            yield env.all_of(replica.pending)
+        self.times.append((env.now, self.examples))
+
+    # --- the run ---------------------------------------------------------------------------
+
+    def total_steps(self) -> int:
+        if self.setting.steps is not None:
+            return self.setting.steps
+        size = self.cost.train_size
+        if self.train.steps is None and size <= 0:
+            return self.opts.warmstart_steps + STEADY_STEPS_PER_REPLICA * self.num_replicas
+        run = self.train.total_steps(size // self.train.batch_size)
+        if self.setting.machines == 1:
+            return run
+        steady = self.opts.warmstart_steps + STEADY_STEPS_PER_REPLICA * self.num_replicas
+        return max(min(run, 4 * steady), steady)
+
+    def run(self) -> Result:
+        total = self.total_steps()
+        driver = self.env.process(self._driver(total))
+        self.env.run(until=driver)
+        return self._result(total)
+
+    def _result(self, total: int) -> Result:
+        elapsed = self.env.now
+        examples = total * self.train.batch_size
+        warm = self.opts.warmstart_steps * self.train.batch_size
+        after_warm = [(t, e) for t, e in self.times if e >= warm]
+        steady = None
+        if len(after_warm) >= 2 and after_warm[-1][0] > after_warm[0][0]:
+            (t0, e0), (t1, e1) = after_warm[0], after_warm[-1]
+            steady = (e1 - e0) / (t1 - t0)
+        replica_busy = [r.compute_s / elapsed for r in self.replicas if r.steps]
+        utilisation = {
+            "replica compute": statistics.mean(replica_busy) if replica_busy else 0.0,
+            "shard queue": max(s.busy / elapsed for s in self.shards),
+            "network link": max(
+                (max(m.tx.utilisation(), m.rx.utilisation()) for m in self.cluster.machines),
+                default=0.0,
+            ),
+            "cores": max(m.cores.utilisation() for m in self.cluster.machines),
+        }
+        traffic = self.cluster.traffic
+        stale = self.staleness or [0]
+        return Result(
+            machines=self.setting.machines,
+            examples_per_s=examples / elapsed,
+            steady_examples_per_s=steady,
+            step_s=elapsed / total,
+            run_s=elapsed,
+            steps=total,
+            bottleneck=bottleneck(utilisation),
+            utilisation=utilisation,
+            wire_bytes=traffic.wire_bytes,
+            local_bytes=traffic.local_bytes,
+            bytes_by_kind=dict(traffic.by_kind),
+            extra={
+                "replicas": self.num_replicas,
+                "shards": len(self.shards),
+                "pushes": self.pushes,
+                "pulls": self.pulls,
+                "staleness_mean": statistics.mean(stale),
+                "staleness_max": max(stale),
+                "staleness_histogram": _histogram(stale),
+            },
+        )
+
+
+def _histogram(values: list[int]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[str(value)] = counts.get(str(value), 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))

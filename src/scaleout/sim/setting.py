@@ -1,0 +1,76 @@
+"""What a simulation is of: the machines, their link, and the calibration that prices work.
+
+`--machines 1` is the run exactly as `scaleout train` runs it here: every process on this
+one machine, sharing its cores. How each strategy spreads over N > 1 machines is in its
+module's docstring.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from scaleout.errors import ConfigError
+from scaleout.sim.calibration import Calibration, ModelCost
+from scaleout.sim.engine import Link
+
+# Named links: (bytes/s each way, one-way latency in seconds, incl. the network stack).
+LINKS: dict[str, tuple[float, float]] = {
+    "100mbit": (100e6 / 8, 100e-6),
+    "1gbit": (1e9 / 8, 50e-6),
+    "10gbit": (10e9 / 8, 20e-6),
+    "ib56": (56e9 / 8 * 64 / 66, 2e-6),  # FDR InfiniBand 4x, 64b/66b coding
+}
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(k|m|g)?(bit|b)?\s*$", re.IGNORECASE)
+
+
+def parse_link(text: str) -> tuple[float, float]:
+    """A link by name (`1gbit`, `ib56`, ...) or rate (`250mbit`): (bytes/s, latency s)."""
+    key = text.strip().lower()
+    if key in LINKS:
+        return LINKS[key]
+    match = _RATE.match(key)
+    if match is None or match.group(3) is None:
+        raise ConfigError(
+            f"--link {text!r}: give one of {', '.join(LINKS)} or a rate such as 250mbit"
+        )
+    value = float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9, None: 1.0}[match.group(2)]
+    per_s = value / 8 if match.group(3).lower() == "bit" else value
+    if per_s <= 0:
+        raise ConfigError(f"--link {text!r}: the rate must be > 0")
+    return per_s, 50e-6
+
+
+@dataclass
+class Setting:
+    """One simulated configuration: `machines` of `cores` each, joined by `link`."""
+
+    calibration: Calibration
+    machines: int = 1
+    cores: float | None = None  # per machine; None: the calibrated machine's
+    link: Link = field(default_factory=lambda: Link(*LINKS["1gbit"]))
+    steps: int | None = None  # steps to simulate; None: the strategy's default
+
+    def __post_init__(self) -> None:
+        if self.machines < 1:
+            raise ConfigError(f"--machines {self.machines}: give whole numbers >= 1")
+        if self.cores is not None and self.cores <= 0:
+            raise ConfigError(f"--cores-per-machine {self.cores}: give a number > 0")
+
+    @property
+    def cores_per_machine(self) -> float:
+        return self.cores if self.cores is not None else float(self.calibration.cores)
+
+
+def model_cost(config: Any, calibration: Calibration) -> ModelCost:  # noqa: ANN401
+    """The calibrated compute of `config`'s model (priced by FLOPs when not measured)."""
+    from scaleout.sim.calibrate import model_key
+
+    key = model_key(config)
+    if key in calibration.models:
+        return calibration.models[key]
+    from scaleout.info import describe_model
+
+    info = describe_model(config)
+    return calibration.model_cost(key, info.params, info.forward_flops)

@@ -1,0 +1,203 @@
+"""The simulator's engine and Downpour schedule against closed forms, and its byte counts
+against a real run's counters."""
+
+import json
+
+import pytest
+import simpy
+
+from scaleout.api import config_from_dict, fit
+from scaleout.compress.payload import payload_size
+from scaleout.ps.layout import shard_ranges
+from scaleout.sim.calibrate import model_key
+from scaleout.sim.calibration import Calibration, CodecCost, MessageCost, ModelCost
+from scaleout.sim.downpour import DownpourSim
+from scaleout.sim.engine import Cluster, Link, Shared
+from scaleout.sim.setting import Setting, parse_link
+from scaleout.strategies.downpour.pushes import PUSHES_FILE
+
+
+def test_processor_sharing_closed_form():
+    """Jobs of 1 s and 2 s on one unit: both at half speed until the first ends at 2 s,
+    the second alone for its last 1 s."""
+    env = simpy.Environment()
+    cpu = Shared(env, 1.0, "cpu")
+    ends = {}
+
+    def job(name, work):
+        yield from cpu.run(work)
+        ends[name] = env.now
+
+    env.process(job("a", 1.0))
+    env.process(job("b", 2.0))
+    env.run()
+    assert ends == {"a": pytest.approx(2.0), "b": pytest.approx(3.0)}
+    assert cpu.utilisation() == pytest.approx(1.0)
+
+
+def test_threads_share_cores_and_a_transfer_pays_both_ends():
+    cluster = Cluster(2, cores=2, link=Link(bandwidth=1e6, latency=0.01))
+    env = cluster.env
+    ends = {}
+
+    def compute():
+        yield from cluster.machines[0].compute(1.0, threads=2)  # 1 s with both cores
+        ends["compute"] = env.now
+
+    def other():
+        yield from cluster.machines[0].work(0.5)  # one thread of 0.5 s beside it
+        ends["other"] = env.now
+
+    def send():
+        yield from cluster.send(0, 1, 500_000)
+        ends["send"] = env.now
+
+    for process in (compute, other, send):
+        env.process(process())
+    env.run()
+    # demand 2 + 1 on 2 cores: each job at 2/3 of its speed until `other` ends at 0.75 s
+    # (0.5 s of work at 2/3); `compute` did 0.5 s of its work by then, the rest at full speed
+    assert ends["other"] == pytest.approx(0.75)
+    assert ends["compute"] == pytest.approx(1.25)
+    assert ends["send"] == pytest.approx(0.01 + 0.5)
+    assert cluster.traffic.wire_bytes == 500_000
+
+
+def test_parse_link():
+    assert parse_link("1gbit")[0] == pytest.approx(125e6)
+    assert parse_link("250mbit")[0] == pytest.approx(31.25e6)
+    with pytest.raises(ValueError, match="--link"):
+        parse_link("fast")
+
+
+def config(num_replicas=1, num_shards=1, steps=20, codec="fp32", n_fetch=1, n_push=1):
+    return config_from_dict(
+        {
+            "run": {"name": "sim", "num_threads": 1},
+            "data": {"dataset": "mnist", "num_train": 2000, "num_test": 200},
+            "model": {"kind": "mlp", "sizes": [784, 32, 10]},
+            "train": {
+                "strategy": "downpour",
+                "steps": steps,
+                "batch_size": 64,
+                "optimizer": "adagrad",
+                "lr": 0.05,
+                "eval_every": 1000,
+                "log_every": 20,
+                "checkpoint_every": 1000,
+            },
+            "downpour": {
+                "num_replicas": num_replicas,
+                "num_shards": num_shards,
+                "n_fetch": n_fetch,
+                "n_push": n_push,
+                "warmstart_steps": 0,
+                "shard_checkpoint_every": 10_000,
+            },
+            "compress": {"codec": codec},
+        }
+    )
+
+
+NUM_PARAMETERS = 784 * 32 + 32 + 32 * 10 + 10
+
+
+def calibration(cfg, step_s=0.010, cores=8):
+    cost = ModelCost(
+        num_parameters=NUM_PARAMETERS,
+        batch_size=64,
+        train_s={1: step_s / 64},
+        eval_s=1e-9,
+        train_size=2000,
+        test_size=0,
+    )
+    return Calibration(
+        cores=cores,
+        models={model_key(cfg): cost},
+        apply_ns={"adagrad": 2.0},
+        codecs={"dynamic8": CodecCost(sizes=[1000], encode_ns=[1.0], decode_ns=[1.0])},
+        pull=MessageCost(fixed_s=0.001, bytes_per_s=1e9),
+        push=MessageCost(fixed_s=0.0005, bytes_per_s=1e9),
+        checkpoint_bytes_per_s=1e18,
+    )
+
+
+def test_one_replica_one_shard_closed_form():
+    """Fetch, compute, push per step, nothing else on the cores: every step costs the same."""
+    cfg = config(steps=20)
+    cal = calibration(cfg)
+    result = DownpourSim(cfg, Setting(cal, machines=1)).run()
+    nbytes = 4 * NUM_PARAMETERS
+    pull = cal.pull.fixed_s + nbytes / cal.pull.bytes_per_s  # both halves of the copy
+    push = cal.push.fixed_s + nbytes / cal.push.bytes_per_s / 2  # the caller's half
+    apply = nbytes / cal.push.bytes_per_s / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)
+    assert apply < cal.pull.fixed_s  # so the shard is free again when the next fetch asks
+    step = pull + 0.010 + push
+    chunk_answer = 2 * cal.pull.fixed_s
+    look = pull  # the evaluation and the checkpoint at the end each fetch once
+    # the last push is applied while the evaluation's fetch makes its call: hidden
+    expected = 20 * step + chunk_answer + 2 * look
+    assert result.run_s == pytest.approx(expected, rel=1e-9)
+    assert result.extra["pushes"] == 20 and result.extra["pulls"] == 20
+    assert result.wire_bytes == 0  # one machine: nothing crosses a network
+
+
+def test_replicas_on_machines_cross_the_link():
+    cfg = config(num_replicas=2, num_shards=2, steps=40)
+    cal = calibration(cfg)
+    result = DownpourSim(cfg, Setting(cal, machines=2, link=Link(125e6, 50e-6))).run()
+    assert result.extra["replicas"] == 2
+    assert result.wire_bytes > 0
+    assert 0 < result.utilisation["network link"] <= 1.0
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_byte_counts_equal_a_real_runs(tmp_path):
+    """One replica, two shards, 8-bit pushes, n_fetch 2, n_push 3: the simulated pushes
+    carry exactly the bytes that pushes.jsonl records, and the pulls too."""
+    cfg = config(num_shards=2, steps=40, codec="dynamic8", n_fetch=2, n_push=3)
+    raw = cfg.model_dump(mode="json")
+    raw["run"]["out_dir"] = str(tmp_path)
+    result = fit(raw)
+    records = [
+        json.loads(line) for line in (result.run_dir / PUSHES_FILE).read_text().splitlines()
+    ]
+    sim = DownpourSim(cfg, Setting(calibration(cfg), machines=1)).run()
+    ranges = shard_ranges(NUM_PARAMETERS, 2)
+    per_push = sum(payload_size("dynamic8", (b - a,), 0) for a, b in ranges)
+    assert sim.extra["pushes"] == len(records) == 14  # ceil(40 / 3)
+    assert sim.bytes_by_kind["push"] == sum(r["bytes_sent"] for r in records) == 14 * per_push
+    assert sim.extra["pulls"] == 20  # every n_fetch = 2 steps
+    assert sim.bytes_by_kind["pull"] == sum(r["bytes_received"] for r in records)
+
+
+def test_payload_size_is_the_encoded_length():
+    import torch
+
+    from scaleout.compress import get
+
+    for name, block in (("dynamic8", 0), ("dynamic8", 4096), ("onebit", 0), ("bf16", 0)):
+        x = torch.randn(10_001)
+        codec = get(name, block_size=block or None)
+        assert len(codec.encode(x).to_bytes()) == payload_size(name, (10_001,), block)
+
+
+def test_cli_simulate_writes_rows_and_refuses_bad_input(tmp_path):
+    from scaleout.api import load_config
+    from scaleout.cli import main
+
+    path = "configs/mnist_downpour.toml"
+    cal_file = calibration(load_config(path)).save(tmp_path / "cal.json")
+    out = tmp_path / "sim"
+    args = ["simulate", path, "--calibration", str(cal_file), "--out", str(out)]
+    code = main([*args, "--machines", "1,2", "--steps", "60", "--sweep", "downpour.n_push=1,3"])
+    assert code == 0
+    rows = json.loads((out / "simulate.json").read_text())["rows"]
+    assert [(r["downpour.n_push"], r["machines"]) for r in rows] == [
+        ("1", 1), ("1", 2), ("3", 1), ("3", 2)
+    ]
+    assert all(r["examples_per_s"] > 0 and r["bottleneck"] for r in rows)
+    assert (out / "simulate.png").stat().st_size > 0
+    assert main([*args, "--machines", "0"]) == 2
+    assert main([*args, "--link", "fast"]) == 2
+    assert main(["simulate", path, "--calibration", str(tmp_path / "none.json")]) == 2
