@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # What limits a run when it is the busiest: a role's utilisation names the bottleneck.
-ROLES = ("replica compute", "worker compute", "shard queue", "network link", "cores")
+ROLES = ("replica compute", "worker compute", "shard queue", "coordinator", "network link", "cores")
 
 
 def bottleneck(utilisation: dict[str, float]) -> str:

@@ -1,0 +1,365 @@
+"""Strategy "sync" (`scaleout.strategies.sync`) as a simulation, and the ring collectives.
+
+What runs, as the library runs it (`Lockstep` driver, `Worker.train_chunk`):
+
+- the driver hands every worker the same chunk of steps, up to the next metrics line,
+  evaluation or checkpoint (`driver_chunks`); a chunk's call and answer cost a Ray call;
+- a step: every worker computes forward and backward on its slice of `train.batch_size`
+  (`batch // workers` examples, `ModelCost.step_s` at `run.num_threads` threads; forward is
+  the first third of it, backward the other `BACKWARD_FRACTION`);
+- mode "allreduce" (DDP): the flat gradient is cut into equal buckets of at most
+  `bucket_cap_mb` MiB (DDP's default 25; gradients come in reverse layer order, a bucket is
+  ready when its share of backward is done). Each bucket is all-reduced as soon as every
+  worker has it, one bucket after another, overlapping the rest of backward: a ring
+  (`ring_allreduce`) for fp32; with `[compress] codec` other than fp32 the library's DDP hook
+  instead encodes the bucket, all-gathers the packed codes (`ring_allgather`, bytes from
+  `scaleout.compress.payload.layout`) and decodes every worker's payload. The optimizer
+  step (`ModelCost.optimizer_s`) follows the last bucket;
+- mode "average": every worker steps with its own optimizer; every `average_every` steps one
+  fp32 ring all-reduce averages parameters and optimizer state (`4 * params * (1 + state
+  floats per parameter)` bytes: sgd 0, momentum, adagrad and rmsprop 1, adam 2; floating
+  buffers such as BatchNorm statistics are not counted);
+- an evaluation runs on rank 0 (after averaging the weights in "average" mode); a checkpoint
+  (after averaging in "average" mode) writes rank 0's model and optimizer.
+
+Ring collectives: `ring_allreduce` is 2(N-1) steps, `ring_allgather` N-1; in each step
+every rank sends one chunk to the next rank at once, and a step ends when all its sends have
+ended. Between machines a send is `Cluster.send` (latency, then the chunk over the sender's
+tx and the receiver's rx); between two ranks on one machine it is priced by the calibrated
+gloo all-reduce of two processes (`Calibration.allreduce`, `fixed_s + bytes / bytes_per_s`
+for a whole two-rank all-reduce, which is two ring steps): `fixed_s / 2` of waiting and
+`chunk / bytes_per_s` of one core's work per step, so a two-rank ring on one machine takes
+exactly the calibrated time. The reduction's arithmetic between machines is not priced.
+
+Placement: `--machines 1` runs `sync.num_workers` workers on the one machine, sharing its
+cores (slowed as calibrated when several compute at once). On N > 1 machines there is one
+worker per machine, so N workers each on `batch // N` examples (N must divide the batch).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import simpy
+
+from scaleout.compress.payload import layout
+from scaleout.errors import ConfigError
+from scaleout.sim.calibration import Calibration, MessageCost
+from scaleout.sim.engine import Cluster, Process
+from scaleout.sim.result import Result, bottleneck
+from scaleout.sim.setting import Setting, model_cost
+
+BACKWARD_FRACTION = 2 / 3  # of a training step; forward (and loading) is the rest
+BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb (MiB)
+STEADY_STEPS = 20  # simulated on N > 1 machines when the run itself is longer
+EXACT_RING = 64  # rings of more ranks simulate one representative send per step
+STATE_FLOATS = {"sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2}
+
+
+# --- ring collectives --------------------------------------------------------------------------
+
+
+def ring_allreduce(
+    cluster: Cluster,
+    machines: Sequence[int],
+    nbytes: int,
+    calibration: Calibration | None = None,
+    kind: str = "allreduce",
+    exact: bool | None = None,
+) -> Process:
+    """All-reduce `nbytes` over ranks on `machines` (rank i on machine `machines[i]`) as a
+    ring: 2(N-1) steps of `ceil(nbytes / N)` bytes from every rank to the next."""
+    if nbytes < 0:
+        raise ValueError(f"ring_allreduce: nbytes must be >= 0, got {nbytes}")
+    n = len(machines)
+    if n <= 1:
+        return
+    chunk = math.ceil(nbytes / n)
+    yield from _ring(cluster, machines, chunk, 2 * (n - 1), calibration, kind, exact)
+
+
+def ring_allgather(
+    cluster: Cluster,
+    machines: Sequence[int],
+    nbytes_per_rank: int,
+    calibration: Calibration | None = None,
+    kind: str = "allreduce",
+    exact: bool | None = None,
+) -> Process:
+    """All-gather `nbytes_per_rank` from every rank as a ring: N-1 steps of one rank's
+    bytes from every rank to the next."""
+    if nbytes_per_rank < 0:
+        raise ValueError(f"ring_allgather: nbytes must be >= 0, got {nbytes_per_rank}")
+    n = len(machines)
+    if n <= 1:
+        return
+    yield from _ring(cluster, machines, nbytes_per_rank, n - 1, calibration, kind, exact)
+
+
+def _ring(
+    cluster: Cluster,
+    machines: Sequence[int],
+    chunk: int,
+    steps: int,
+    calibration: Calibration | None,
+    kind: str,
+    exact: bool | None,
+) -> Process:
+    """`steps` ring steps. `exact=False` (the default beyond `EXACT_RING` ranks on distinct
+    machines) simulates one send per step and counts the others' bytes: the same time when
+    nothing else uses those links, as every rank's send is then alike."""
+    env, n = cluster.env, len(machines)
+    distinct = len(set(machines)) == n
+    if exact is None:
+        exact = n <= EXACT_RING or not distinct
+    if not exact and not distinct:
+        raise ValueError("ring: exact=False needs every rank on its own machine")
+    local = None
+    if any(machines[i] == machines[(i + 1) % n] for i in range(n)):
+        if calibration is None or calibration.allreduce is None:
+            raise ConfigError(
+                "the calibration has no gloo all-reduce between two processes: run "
+                "`scaleout calibrate` again"
+            )
+        local = calibration.allreduce
+    for _ in range(steps):
+        if exact:
+            sends = [
+                env.process(_send(cluster, machines[i], machines[(i + 1) % n], chunk, local, kind))
+                for i in range(n)
+            ]
+            yield env.all_of(sends)
+        else:
+            yield from cluster.send(machines[0], machines[1], chunk, kind)
+            traffic = cluster.traffic
+            traffic.messages += n - 1
+            traffic.wire_bytes += (n - 1) * chunk
+            traffic.by_kind[kind] = traffic.by_kind.get(kind, 0) + (n - 1) * chunk
+
+
+def _send(
+    cluster: Cluster, source: int, dest: int, nbytes: int, local: MessageCost | None, kind: str
+) -> Process:
+    yield from cluster.send(source, dest, nbytes, kind)
+    if source == dest:
+        assert local is not None
+        yield cluster.env.timeout(local.fixed_s / 2)
+        yield from cluster.machines[source].work(nbytes / local.bytes_per_s)
+
+
+# --- the driver's cadence --------------------------------------------------------------------
+
+
+def driver_chunks(total: int, train: Any) -> list[tuple[int, bool, bool]]:  # noqa: ANN401
+    """(steps, evaluate after, checkpoint after) of each `strategy.train` call the driver
+    makes (`scaleout.train.driver`): chunks end at metrics lines, evaluations and
+    checkpoints; the last one evaluates and checkpoints."""
+    chunks, step = [], 0
+    cadence = [train.log_every, train.eval_every, train.checkpoint_every]
+    while step < total:
+        target = min([(step // every + 1) * every for every in cadence] + [total])
+        last = target >= total
+        evaluating = target // train.eval_every > step // train.eval_every or last
+        saving = target // train.checkpoint_every > step // train.checkpoint_every or last
+        chunks.append((target - step, evaluating, saving))
+        step = target
+    return chunks
+
+
+def state_floats(optimizer: str) -> int:
+    """Optimizer state floats per parameter that "average" mode averages."""
+    if optimizer not in STATE_FLOATS:
+        raise ConfigError(f"train.optimizer = {optimizer!r}: no simulated optimizer state")
+    return STATE_FLOATS[optimizer]
+
+
+class SyncSim:
+    """One simulated sync run of `config` (a `RunConfig`) in `setting`."""
+
+    def __init__(
+        self,
+        config: Any,  # noqa: ANN401
+        setting: Setting,
+        bucket_cap_mb: float = BUCKET_CAP_MB,
+    ) -> None:
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.config, self.setting = config, setting
+        self.cal = setting.calibration
+        self.opts = config.sync
+        self.train = config.train
+        self.cost = model_cost(config, self.cal)
+        self.threads = config.run.num_threads or 1
+        machines = setting.machines
+        self.num_workers = self.opts.num_workers if machines == 1 else machines
+        if self.train.batch_size % self.num_workers:
+            where = "sync.num_workers" if machines == 1 else "--machines (one worker each)"
+            raise ConfigError(
+                f"train.batch_size = {self.train.batch_size} must be a multiple of {where} = "
+                f"{self.num_workers} (each worker trains on an equal slice of the batch)"
+            )
+        self.cluster = Cluster(machines, setting.cores_per_machine, setting.link)
+        for machine in self.cluster.machines:
+            machine.cores.slowdown = self.cost.slowdown
+        self.env = self.cluster.env
+        self.where = [w % machines for w in range(self.num_workers)]
+        self.numel = self.cost.num_parameters
+        self.step_s = self.cost.step_s(self.train.batch_size // self.num_workers, self.threads)
+        self.codec = config.compress.codec
+        self.block_size = config.compress.block_size or 0
+        cap = int(bucket_cap_mb * 1024 * 1024)
+        num_buckets = max(1, math.ceil(4 * self.numel / cap))
+        base, extra = divmod(self.numel, num_buckets)
+        self.buckets = [base + (1 if b < extra else 0) for b in range(num_buckets)]
+        self.state_bytes = 4 * self.numel * (1 + state_floats(self.train.optimizer))
+        self.compute_s = [0.0] * self.num_workers
+        self.train_s = 0.0  # time spent in training chunks (no evaluation, no checkpoint)
+        self.exposed: list[float] = []  # per step: from backward's end to the last bucket's
+        self.step = 0
+
+    # --- collectives ---------------------------------------------------------------------
+
+    def _allreduce(self, nbytes: int) -> Process:
+        yield from ring_allreduce(self.cluster, self.where, nbytes, self.cal)
+
+    def _reduce_bucket(self, numel: int) -> Process:
+        """One DDP bucket: a ring all-reduce (fp32) or the codec hook's all-gather."""
+        if self.codec == "fp32":
+            yield from self._allreduce(4 * numel)
+            return
+        env, machines = self.env, self.cluster.machines
+        encode = self.cal.codec_s(self.codec, numel, "encode")
+        yield env.all_of([env.process(machines[m].work(encode)) for m in self.where])
+        codes, scales = layout(self.codec, numel, self.block_size)
+        packed = codes + 4 * scales + 1  # `pack`: codes, scales, a flag byte
+        yield from ring_allgather(self.cluster, self.where, packed, self.cal)
+        decode = self.num_workers * self.cal.codec_s(self.codec, numel, "decode")
+        yield env.all_of([env.process(machines[m].work(decode)) for m in self.where])
+
+    # --- one step ------------------------------------------------------------------------
+
+    def _compute(self, worker: int, seconds: float) -> Process:
+        started = self.env.now
+        yield from self.cluster.machines[self.where[worker]].compute(seconds, self.threads)
+        self.compute_s[worker] += self.env.now - started
+
+    def _worker_pass(self, worker: int, ready: list[list[simpy.Event]]) -> Process:
+        """Forward, then backward bucket by bucket (each ready when its share is done)."""
+        yield from self._compute(worker, self.step_s * (1 - BACKWARD_FRACTION))
+        backward = self.step_s * BACKWARD_FRACTION
+        for b, numel in enumerate(self.buckets):
+            yield from self._compute(worker, backward * numel / self.numel)
+            ready[b][worker].succeed()
+
+    def _communicate(self, ready: list[list[simpy.Event]]) -> Process:
+        for b, numel in enumerate(self.buckets):
+            yield self.env.all_of(ready[b])
+            yield from self._reduce_bucket(numel)
+
+    def _optimizer(self) -> Process:
+        env, machines = self.env, self.cluster.machines
+        seconds = self.cost.optimizer_s
+        yield env.all_of([env.process(machines[m].work(seconds)) for m in self.where])
+
+    def _step(self) -> Process:
+        env = self.env
+        if self.opts.mode == "allreduce":
+            ready = [[env.event() for _ in self.where] for _ in self.buckets]
+            passes = [env.process(self._worker_pass(w, ready)) for w in range(self.num_workers)]
+            comm = env.process(self._communicate(ready))
+            yield env.all_of(passes)
+            computed = env.now
+            yield comm
+            self.exposed.append(env.now - computed)
+            yield from self._optimizer()
+        else:
+            yield env.all_of(
+                [env.process(self._compute(w, self.step_s)) for w in range(self.num_workers)]
+            )
+            yield from self._optimizer()
+            if (self.step + 1) % self.opts.average_every == 0:
+                averaging = env.now
+                yield from self._allreduce(self.state_bytes)
+                self.exposed.append(env.now - averaging)
+        self.step += 1
+
+    # --- the driver ----------------------------------------------------------------------
+
+    def _chunk(self, steps: int) -> Process:
+        started = self.env.now
+        yield self.env.timeout(self.cal.pull.fixed_s)  # the call to every worker
+        for _ in range(steps):
+            yield from self._step()
+        yield self.env.timeout(self.cal.pull.fixed_s)  # the answers
+        self.train_s += self.env.now - started
+
+    def _evaluate(self) -> Process:
+        if self.opts.mode == "average":  # the workers' average weights, then rank 0 tests
+            yield from self._allreduce(4 * self.numel)
+        seconds = self.cost.test_size * self.cost.eval_s
+        yield from self.cluster.machines[self.where[0]].compute(seconds, self.threads)
+
+    def _checkpoint(self) -> Process:
+        if self.opts.mode == "average":  # `average_now` before rank 0's state
+            yield from self._allreduce(self.state_bytes)
+        yield self.env.timeout(self.state_bytes / self.cal.checkpoint_bytes_per_s)
+
+    def _driver(self, total: int) -> Process:
+        for steps, evaluating, saving in driver_chunks(total, self.train):
+            yield from self._chunk(steps)
+            if evaluating:
+                yield from self._evaluate()
+            if saving:
+                yield from self._checkpoint()
+
+    # --- the run -------------------------------------------------------------------------
+
+    def total_steps(self) -> int:
+        if self.setting.steps is not None:
+            return self.setting.steps
+        size, batch = self.cost.train_size, self.train.batch_size
+        if self.train.steps is None and size <= 0:
+            return STEADY_STEPS
+        run = self.train.total_steps(size // batch if size >= batch else 1)
+        return run if self.setting.machines == 1 else min(run, STEADY_STEPS)
+
+    def run(self) -> Result:
+        total = self.total_steps()
+        if total < 1:
+            raise ConfigError(f"steps to simulate must be >= 1, got {total}")
+        driver = self.env.process(self._driver(total))
+        self.env.run(until=driver)
+        return self._result(total)
+
+    def _result(self, total: int) -> Result:
+        elapsed = self.env.now
+        examples = total * self.train.batch_size
+        machines = self.cluster.machines
+        utilisation = {
+            "worker compute": statistics.mean(c / elapsed for c in self.compute_s),
+            "network link": max(max(m.tx.utilisation(), m.rx.utilisation()) for m in machines),
+            "cores": max(m.cores.utilisation() for m in machines),
+        }
+        traffic = self.cluster.traffic
+        return Result(
+            machines=self.setting.machines,
+            examples_per_s=examples / elapsed,
+            steady_examples_per_s=examples / self.train_s if self.train_s > 0 else None,
+            step_s=elapsed / total,
+            run_s=elapsed,
+            steps=total,
+            bottleneck=bottleneck(utilisation),
+            utilisation=utilisation,
+            wire_bytes=traffic.wire_bytes,
+            local_bytes=traffic.local_bytes,
+            bytes_by_kind=dict(traffic.by_kind),
+            extra={
+                "workers": self.num_workers,
+                "mode": self.opts.mode,
+                "buckets": len(self.buckets),
+                "exposed_communication_s": statistics.mean(self.exposed) if self.exposed else 0.0,
+            },
+        )

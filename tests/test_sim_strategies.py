@@ -1,0 +1,261 @@
+"""The sync and Sandblaster simulations on hand-computable cases equal their closed forms.
+
+Calibrations are built by hand: every cost a case does not exercise is zero (or a rate of
+1e30 bytes/s), so the simulated times are sums of the few costs that remain.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scaleout.api import load_config
+from scaleout.errors import ConfigError
+from scaleout.sim.calibrate import model_key
+from scaleout.sim.calibration import Calibration, CodecCost, MessageCost, ModelCost
+from scaleout.sim.engine import Cluster, Link
+from scaleout.sim.sandblaster import SandblasterSim
+from scaleout.sim.setting import Setting
+from scaleout.sim.sync import SyncSim, driver_chunks, ring_allgather, ring_allreduce
+
+FREE = MessageCost(fixed_s=0.0, bytes_per_s=1e30)
+REL = 1e-9
+
+
+def calibration(
+    config,
+    num_parameters: int,
+    per_example_s: float,
+    *,
+    cores: int = 4,
+    optimizer_s: float = 0.0,
+    allreduce: MessageCost | None = None,
+    codecs: dict[str, CodecCost] | None = None,
+) -> Calibration:
+    cost = ModelCost(
+        num_parameters=num_parameters,
+        batch_size=1,
+        train_s={1: per_example_s},
+        eval_s=1e-6,
+        test_size=0,  # no evaluation cost
+        optimizer_s=optimizer_s,
+    )
+    return Calibration(
+        cores=cores,
+        models={model_key(config): cost},
+        apply_ns={"sgd": 0.0},
+        codecs=codecs or {},
+        pull=FREE,
+        push=FREE,
+        allreduce=allreduce,
+        checkpoint_bytes_per_s=1e30,
+    )
+
+
+# --- the ring ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_ring_allreduce_equals_closed_form(exact):
+    n, bandwidth, latency, nbytes = 4, 1e8, 1e-4, 4_000_000
+    cluster = Cluster(n, cores=1, link=Link(bandwidth, latency))
+    done = cluster.env.process(ring_allreduce(cluster, list(range(n)), nbytes, exact=exact))
+    cluster.run(done)
+    expected = 2 * (n - 1) * (latency + nbytes / n / bandwidth)
+    assert cluster.env.now == pytest.approx(expected, rel=REL)
+    assert cluster.traffic.wire_bytes == 2 * (n - 1) * n * (nbytes // n)
+    assert cluster.traffic.by_kind == {"allreduce": 2 * (n - 1) * nbytes}
+    assert cluster.traffic.local_bytes == 0
+
+
+def test_ring_allgather_equals_closed_form():
+    n, bandwidth, latency, nbytes = 5, 1e7, 2e-4, 100_001
+    cluster = Cluster(n, cores=1, link=Link(bandwidth, latency))
+    done = cluster.env.process(ring_allgather(cluster, list(range(n)), nbytes))
+    cluster.run(done)
+    assert cluster.env.now == pytest.approx((n - 1) * (latency + nbytes / bandwidth), rel=REL)
+    assert cluster.traffic.wire_bytes == (n - 1) * n * nbytes
+
+
+def test_two_ranks_on_one_machine_take_the_calibrated_allreduce():
+    cost = MessageCost(fixed_s=3e-4, bytes_per_s=2e9)
+    config = load_config("configs/mnist_sync.toml")
+    cal = calibration(config, 1000, 1e-3, cores=2, allreduce=cost)
+    cluster = Cluster(1, cores=2, link=Link(1e9, 0.0))
+    done = cluster.env.process(ring_allreduce(cluster, [0, 0], 8_000_000, cal))
+    cluster.run(done)
+    assert cluster.env.now == pytest.approx(cost.seconds(8_000_000), rel=REL)
+    assert cluster.traffic.local_bytes == 2 * 8_000_000 and cluster.traffic.wire_bytes == 0
+
+
+def test_a_ring_on_one_machine_needs_the_allreduce_calibration():
+    cluster = Cluster(1, cores=2, link=Link(1e9, 0.0))
+    with pytest.raises(ConfigError, match="all-reduce"):
+        cluster.run(cluster.env.process(ring_allreduce(cluster, [0, 0], 1000)))
+
+
+# --- sync ----------------------------------------------------------------------------------
+
+N_PARAMS = 1_000_000  # 4 MB of fp32 gradient
+
+
+def sync_setting(overrides, machines, steps, bandwidth=1e8, latency=1e-4, **cal_options):
+    config = load_config("configs/mnist_sync.toml", overrides)
+    cal = calibration(config, N_PARAMS, 1e-3, **cal_options)
+    link = Link(bandwidth, latency)
+    return config, Setting(cal, machines=machines, cores=2, link=link, steps=steps)
+
+
+def test_sync_allreduce_one_bucket_after_backward():
+    n, steps, bandwidth, latency, opt = 2, 3, 1e8, 1e-4, 0.004
+    config, setting = sync_setting([], n, steps, bandwidth, latency, optimizer_s=opt)
+    result = SyncSim(config, setting).run()
+    compute = 1e-3 * 128 / n
+    ring = 2 * (n - 1) * (latency + 4 * N_PARAMS / n / bandwidth)
+    assert result.extra["buckets"] == 1
+    assert result.step_s == pytest.approx(compute + ring + opt, rel=REL)
+    assert result.wire_bytes == steps * 2 * (n - 1) * 4 * N_PARAMS
+    assert result.bytes_by_kind == {"allreduce": result.wire_bytes}
+
+
+@pytest.mark.parametrize("latency", [1e-5, 2e-3])
+def test_sync_buckets_overlap_backward(latency):
+    """4 buckets of 1 MB (cap 1 MiB), ready every backward/4: the ring of each bucket either
+    hides behind the next quarter of backward (short), or the rings queue up (long)."""
+    n, bandwidth = 2, 1e9
+    config, setting = sync_setting([], n, 2, bandwidth, latency)
+    result = SyncSim(config, setting, bucket_cap_mb=1.0).run()
+    compute = 1e-3 * 128 / n
+    forward, backward = compute / 3, compute * 2 / 3
+    ring = 2 * (n - 1) * (latency + 4 * N_PARAMS / 4 / n / bandwidth)
+    assert result.extra["buckets"] == 4
+    if ring <= backward / 4:
+        expected = forward + backward + ring
+    else:
+        expected = forward + backward / 4 + 4 * ring
+    assert result.step_s == pytest.approx(expected, rel=REL)
+    assert result.extra["exposed_communication_s"] == pytest.approx(expected - compute, rel=REL)
+
+
+def test_sync_average_every_two_steps():
+    n, steps, bandwidth, latency, opt = 4, 4, 1e8, 1e-4, 0.002
+    overrides = ['sync.mode="average"', "sync.average_every=2"]  # momentum: 1 state float
+    config, setting = sync_setting(overrides, n, steps, bandwidth, latency, optimizer_s=opt)
+    result = SyncSim(config, setting).run()
+    nbytes = 4 * N_PARAMS * 2  # parameters and momentum
+
+    def ring(size):
+        return 2 * (n - 1) * (latency + size / n / bandwidth)
+
+    # after the last step the driver evaluates (the workers average their weights first)
+    # and checkpoints (they average weights and momentum first)
+    averages = steps // 2 + 1
+    expected = steps * (1e-3 * 128 / n + opt) + averages * ring(nbytes) + ring(4 * N_PARAMS)
+    assert result.run_s == pytest.approx(expected, rel=REL)
+    assert result.wire_bytes == 2 * (n - 1) * (averages * nbytes + 4 * N_PARAMS)
+
+
+def test_sync_8bit_gathers_codes():
+    n, bandwidth, latency = 2, 1e8, 1e-4
+    ns = CodecCost(sizes=[1000], encode_ns=[2.0], decode_ns=[3.0])
+    config, setting = sync_setting(
+        ['compress.codec="dynamic8"'], n, 1, bandwidth, latency, codecs={"dynamic8": ns}
+    )
+    result = SyncSim(config, setting).run()
+    packed = N_PARAMS + 4 + 1  # one code byte per value, one float32 scale, a flag byte
+    expected = (
+        1e-3 * 128 / n
+        + 2e-9 * N_PARAMS
+        + (n - 1) * (latency + packed / bandwidth)
+        + n * 3e-9 * N_PARAMS
+    )
+    assert result.step_s == pytest.approx(expected, rel=REL)
+    assert result.wire_bytes == (n - 1) * n * packed
+
+
+def test_sync_workers_on_one_machine_share_it():
+    cost = MessageCost(fixed_s=5e-4, bytes_per_s=1e9)
+    config, setting = sync_setting([], 1, 2, allreduce=cost)
+    result = SyncSim(config, setting).run()  # 2 workers, 2 cores
+    assert result.extra["workers"] == 2
+    assert result.step_s == pytest.approx(1e-3 * 64 + cost.seconds(4 * N_PARAMS), rel=REL)
+    assert result.wire_bytes == 0 and result.local_bytes == 2 * 2 * 4 * N_PARAMS
+
+
+def test_sync_batch_must_split_over_the_machines():
+    config, setting = sync_setting([], 3, 1)
+    with pytest.raises(ConfigError, match="multiple"):
+        SyncSim(config, setting)
+
+
+def test_driver_chunks_follow_the_cadence():
+    config = load_config(
+        "configs/mnist_sync.toml",
+        ["train.log_every=4", "train.eval_every=6", "train.checkpoint_every=8"],
+    )
+    assert driver_chunks(10, config.train) == [
+        (4, False, False),
+        (2, True, False),
+        (2, False, True),
+        (2, True, True),
+    ]
+
+
+# --- Sandblaster ---------------------------------------------------------------------------
+
+C = 0.1  # seconds per portion of 1000 examples
+
+
+def sandblaster(replicas, portions, backups, slow=None, steps=1):
+    config = load_config(
+        "configs/mnist_sandblaster.toml",
+        [
+            f"sandblaster.num_replicas={replicas}",
+            f"sandblaster.batch_size={1000 * portions}",
+            f"sandblaster.backup_tasks={str(backups).lower()}",
+        ],
+    )
+    cal = calibration(config, 7850, C / 1000, cores=replicas)
+    setting = Setting(cal, machines=1, cores=replicas, steps=steps)
+    return SandblasterSim(config, setting, slow=slow).run()
+
+
+@pytest.mark.parametrize(("replicas", "portions"), [(2, 4), (3, 4), (4, 4), (2, 7)])
+@pytest.mark.parametrize("backups", [True, False])
+def test_sandblaster_pass_without_straggler(replicas, portions, backups):
+    """The initial evaluation and one iteration: two passes of ceil(P/R) rounds each."""
+    result = sandblaster(replicas, portions, backups)
+    rounds = math.ceil(portions / replicas) * C
+    assert result.step_s == pytest.approx(rounds, rel=REL)
+    assert result.run_s == pytest.approx(2 * rounds, rel=REL)
+    assert result.extra["evaluations"] == 2
+
+
+def test_sandblaster_straggler_without_backups():
+    """R=2, P=4, replica 1 k=5 times slower: the fast replica does 3 portions (3c), the
+    straggler one (5c); each pass ends with the straggler's portion, at k*c."""
+    k = 5.0
+    result = sandblaster(2, 4, backups=False, slow={1: k})
+    assert result.step_s == pytest.approx(k * C, rel=REL)
+    assert result.run_s == pytest.approx(2 * k * C, rel=REL)
+    assert result.extra["backups"] == 0 and result.extra["duplicates"] == 0
+
+
+def test_sandblaster_straggler_with_backups():
+    """R=2, P=4, k=5. Pass 1: the fast replica does p0, p2, p3 (to 3c), then a copy of the
+    straggler's p1, which wins at 4c. Pass 2 (from 4c): the straggler computes its losing
+    copy until 5c, the fast replica p0 (to 5c); then one takes p1 and the other p2 (the
+    straggler's takes 5c more), the fast one p3 (to 7c) and a copy of the straggler's portion,
+    which wins at 8c: 4c per pass instead of 5c."""
+    k = 5.0
+    result = sandblaster(2, 4, backups=True, slow={1: k})
+    assert result.run_s == pytest.approx(8 * C, rel=REL)
+    assert result.step_s == pytest.approx(4 * C, rel=REL)
+    assert result.extra["backups"] == 2
+    assert result.extra["duplicates"] == 1  # pass 1's losing copy; pass 2's never ends
+
+
+def test_sandblaster_slow_replica_must_exist():
+    with pytest.raises(ValueError, match="does not exist"):
+        sandblaster(2, 4, backups=True, slow={2: 3.0})
