@@ -38,7 +38,7 @@ import simpy
 from scaleout.compress.payload import payload_size
 from scaleout.ps.layout import shard_ranges
 from scaleout.sim.engine import Cluster, Process
-from scaleout.sim.result import Result, bottleneck
+from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 
 CHUNK_STEPS = 20  # scaleout.strategies.downpour.strategy.CHUNK_STEPS
@@ -284,29 +284,18 @@ class DownpourSim:
             (t0, e0), (t1, e1) = after_warm[0], after_warm[-1]
             steady = (e1 - e0) / (t1 - t0)
         replica_busy = [r.compute_s / elapsed for r in self.replicas if r.steps]
-        utilisation = {
+        roles = {
             "replica compute": statistics.mean(replica_busy) if replica_busy else 0.0,
             "shard queue": max(s.busy / elapsed for s in self.shards),
-            "network link": max(
-                (max(m.tx.utilisation(), m.rx.utilisation()) for m in self.cluster.machines),
-                default=0.0,
-            ),
-            "cores": max(m.cores.utilisation() for m in self.cluster.machines),
         }
-        traffic = self.cluster.traffic
         stale = self.staleness or [0]
-        return Result(
-            machines=self.setting.machines,
-            examples_per_s=examples / elapsed,
-            steady_examples_per_s=steady,
-            step_s=elapsed / total,
-            run_s=elapsed,
+        return Result.of_run(
+            self.cluster,
+            roles,
             steps=total,
-            bottleneck=bottleneck(utilisation),
-            utilisation=utilisation,
-            wire_bytes=traffic.wire_bytes,
-            local_bytes=traffic.local_bytes,
-            bytes_by_kind=dict(traffic.by_kind),
+            examples=examples,
+            step_s=elapsed / total,
+            steady_examples_per_s=steady,
             extra={
                 "replicas": self.num_replicas,
                 "shards": len(self.shards),

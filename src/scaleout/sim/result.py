@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# What limits a run when it is the busiest: a role's utilisation names the bottleneck.
-ROLES = ("replica compute", "worker compute", "shard queue", "coordinator", "network link", "cores")
+from scaleout.sim.engine import Cluster
 
 
 def bottleneck(utilisation: dict[str, float]) -> str:
@@ -30,6 +29,43 @@ class Result:
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     steady_examples_per_s: float | None = None  # after a warm start, when there is one
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of_run(
+        cls,
+        cluster: Cluster,
+        roles: dict[str, float],
+        steps: int,
+        examples: int,
+        step_s: float,
+        steady_examples_per_s: float | None,
+        extra: dict[str, Any],
+        after: dict[str, float] | None = None,
+    ) -> Result:
+        """A finished simulation's result: the strategy's `roles` (utilisation by role),
+        then the busiest link and cores of any machine (and `after`), the traffic."""
+        elapsed, machines = cluster.env.now, cluster.machines
+        utilisation = {
+            **roles,
+            "network link": max(max(m.tx.utilisation(), m.rx.utilisation()) for m in machines),
+            "cores": max(m.cores.utilisation() for m in machines),
+            **(after or {}),
+        }
+        traffic = cluster.traffic
+        return cls(
+            machines=len(machines),
+            examples_per_s=examples / elapsed,
+            steady_examples_per_s=steady_examples_per_s,
+            step_s=step_s,
+            run_s=elapsed,
+            steps=steps,
+            bottleneck=bottleneck(utilisation),
+            utilisation=utilisation,
+            wire_bytes=traffic.wire_bytes,
+            local_bytes=traffic.local_bytes,
+            bytes_by_kind=dict(traffic.by_kind),
+            extra=extra,
+        )
 
     def row(self) -> dict[str, Any]:
         """A JSON row (simulate.json)."""

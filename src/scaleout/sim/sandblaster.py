@@ -59,7 +59,7 @@ import simpy
 from scaleout.errors import ConfigError
 from scaleout.ps.layout import shard_ranges
 from scaleout.sim.engine import Cluster, Process
-from scaleout.sim.result import Result, bottleneck
+from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 from scaleout.sim.sync import driver_chunks
 
@@ -364,27 +364,17 @@ class SandblasterSim:
         elapsed = self.env.now
         examples = len(self.pass_s) * self.batch_size
         after_first = elapsed - self.first_done
-        machines = self.cluster.machines
-        utilisation = {
+        roles = {
             "replica compute": statistics.mean(r.compute_s / elapsed for r in self.replicas),
             "shard queue": max(s.busy / elapsed for s in self.shards),
-            "network link": max(max(m.tx.utilisation(), m.rx.utilisation()) for m in machines),
-            "cores": max(m.cores.utilisation() for m in machines),
-            "coordinator": 1 - self.portions_s / elapsed,
         }
-        traffic = self.cluster.traffic
-        return Result(
-            machines=self.setting.machines,
-            examples_per_s=examples / elapsed,
-            steady_examples_per_s=total * self.batch_size / after_first,
-            step_s=after_first / total,
-            run_s=elapsed,
+        return Result.of_run(
+            self.cluster,
+            roles,
             steps=total,
-            bottleneck=bottleneck(utilisation),
-            utilisation=utilisation,
-            wire_bytes=traffic.wire_bytes,
-            local_bytes=traffic.local_bytes,
-            bytes_by_kind=dict(traffic.by_kind),
+            examples=examples,
+            step_s=after_first / total,
+            steady_examples_per_s=total * self.batch_size / after_first,
             extra={
                 "replicas": self.num_replicas,
                 "shards": len(self.shards),
@@ -394,4 +384,5 @@ class SandblasterSim:
                 "backups": self.backups,
                 "duplicates": self.duplicates,
             },
+            after={"coordinator": 1 - self.portions_s / elapsed},
         )

@@ -49,7 +49,7 @@ from scaleout.compress.payload import layout
 from scaleout.errors import ConfigError
 from scaleout.sim.calibration import Calibration, MessageCost
 from scaleout.sim.engine import Cluster, Process
-from scaleout.sim.result import Result, bottleneck
+from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 
 BACKWARD_FRACTION = 2 / 3  # of a training step; forward (and loading) is the rest
@@ -337,25 +337,14 @@ class SyncSim:
     def _result(self, total: int) -> Result:
         elapsed = self.env.now
         examples = total * self.train.batch_size
-        machines = self.cluster.machines
-        utilisation = {
-            "worker compute": statistics.mean(c / elapsed for c in self.compute_s),
-            "network link": max(max(m.tx.utilisation(), m.rx.utilisation()) for m in machines),
-            "cores": max(m.cores.utilisation() for m in machines),
-        }
-        traffic = self.cluster.traffic
-        return Result(
-            machines=self.setting.machines,
-            examples_per_s=examples / elapsed,
-            steady_examples_per_s=examples / self.train_s if self.train_s > 0 else None,
-            step_s=elapsed / total,
-            run_s=elapsed,
+        roles = {"worker compute": statistics.mean(c / elapsed for c in self.compute_s)}
+        return Result.of_run(
+            self.cluster,
+            roles,
             steps=total,
-            bottleneck=bottleneck(utilisation),
-            utilisation=utilisation,
-            wire_bytes=traffic.wire_bytes,
-            local_bytes=traffic.local_bytes,
-            bytes_by_kind=dict(traffic.by_kind),
+            examples=examples,
+            step_s=elapsed / total,
+            steady_examples_per_s=examples / self.train_s if self.train_s > 0 else None,
             extra={
                 "workers": self.num_workers,
                 "mode": self.opts.mode,
