@@ -47,6 +47,7 @@ import simpy
 
 from scaleout.compress.payload import layout
 from scaleout.errors import ConfigError
+from scaleout.nn.optim import STATE_BUFFERS
 from scaleout.sim.calibration import Calibration, MessageCost
 from scaleout.sim.engine import Cluster, Process
 from scaleout.sim.result import Result
@@ -56,7 +57,6 @@ BACKWARD_FRACTION = 2 / 3  # of a training step; forward (and loading) is the re
 BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb (MiB)
 STEADY_STEPS = 20  # simulated on N > 1 machines when the run itself is longer
 EXACT_RING = 64  # rings of more ranks simulate one representative send per step
-STATE_FLOATS = {"sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2}
 
 
 # --- ring collectives --------------------------------------------------------------------------
@@ -169,13 +169,6 @@ def driver_chunks(total: int, train: Any) -> list[tuple[int, bool, bool]]:  # no
     return chunks
 
 
-def state_floats(optimizer: str) -> int:
-    """Optimizer state floats per parameter that "average" mode averages."""
-    if optimizer not in STATE_FLOATS:
-        raise ConfigError(f"train.optimizer = {optimizer!r}: no simulated optimizer state")
-    return STATE_FLOATS[optimizer]
-
-
 class SyncSim:
     """One simulated sync run of `config` (a `RunConfig`) in `setting`."""
 
@@ -214,7 +207,7 @@ class SyncSim:
         num_buckets = max(1, math.ceil(4 * self.numel / cap))
         base, extra = divmod(self.numel, num_buckets)
         self.buckets = [base + (1 if b < extra else 0) for b in range(num_buckets)]
-        self.state_bytes = 4 * self.numel * (1 + state_floats(self.train.optimizer))
+        self.state_bytes = 4 * self.numel * (1 + STATE_BUFFERS[self.train.optimizer])
         self.compute_s = [0.0] * self.num_workers
         self.train_s = 0.0  # time spent in training chunks (no evaluation, no checkpoint)
         self.exposed: list[float] = []  # per step: from backward's end to the last bucket's
