@@ -36,6 +36,7 @@ from typing import Any
 import simpy
 
 from scaleout.compress.payload import payload_size
+from scaleout.nn.optim import STATE_BUFFERS
 from scaleout.ps.layout import shard_ranges
 from scaleout.sim.engine import Cluster, Process
 from scaleout.sim.result import Result
@@ -108,6 +109,10 @@ class DownpourSim:
         self.pushes = self.pulls = 0
         self.times: list[tuple[float, int]] = []  # (time, examples) after each chunk
 
+    def _state_bytes(self, shard: _Shard) -> int:
+        """What a shard's checkpoint writes: its values and its optimizer's state."""
+        return 4 * shard.numel * (1 + STATE_BUFFERS[self.train.optimizer])
+
     # --- one shard call --------------------------------------------------------------------
 
     def _serve(self, shard: _Shard, seconds: float) -> Process:
@@ -145,7 +150,7 @@ class DownpourSim:
             shard.updates += 1
             every = self.opts.shard_checkpoint_every
             if every and shard.updates % every == 0:
-                state = 4 * shard.numel * (2 if self.train.optimizer != "sgd" else 1)
+                state = self._state_bytes(shard)
                 yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
             shard.busy += self.env.now - started
 
@@ -199,7 +204,7 @@ class DownpourSim:
     def _checkpoint(self, replica: _Replica) -> Process:
         """The shards checkpoint, then replica 0 writes the model."""
         for shard in self.shards:
-            state = 4 * shard.numel * (2 if self.train.optimizer != "sgd" else 1)
+            state = self._state_bytes(shard)
             yield from self._serve(shard, 0.0)
             yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
         yield from self._look(replica)
