@@ -62,6 +62,7 @@ from scaleout.sim.engine import Cluster, Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 from scaleout.sim.sync import driver_chunks
+from scaleout.strategies.sandblaster.portions import next_portion, portion_bounds
 
 STEADY_ITERATIONS = 10  # beyond a full history, simulated on N > 1 machines
 COORDINATOR = 0  # the machine of the driver process
@@ -139,8 +140,7 @@ class SandblasterSim:
             )
         train_size = self.cost.train_size or _training_set_size(config)
         self.batch_size = min(opts.batch_size or train_size, train_size)
-        size, step = self.batch_size, opts.portion_size
-        self.bounds = [(s, min(s + step, size)) for s in range(0, size, step)]
+        self.bounds = portion_bounds(self.batch_size, opts.portion_size)
         self.cluster = Cluster(machines, setting.cores_per_machine, setting.link)
         for machine in self.cluster.machines:
             machine.cores.slowdown = self.cost.slowdown
@@ -266,18 +266,13 @@ class SandblasterSim:
         def assign(r: int) -> None:
             if any(rr == r for rr, _, _ in self.running.values()):
                 return
-            if todo:
-                portion = todo.popleft()
-            elif self.opts.backup_tasks:
-                current = [
-                    p for _, b, p in self.running.values() if b == batch and p not in winners
-                ]
-                portion = next((p for p in current if current.count(p) == 1), None)
-                if portion is None:
-                    return
-                self.backups += 1
-            else:
+            chosen = next_portion(
+                todo, self.running.values(), batch, winners, self.opts.backup_tasks
+            )
+            if chosen is None:
                 return
+            portion, copy = chosen
+            self.backups += int(copy)
             replica = self.replicas[r]
             proc = env.process(self._compute(replica, portion, self.x_version, verdicts[r]))
             verdicts[r] = []

@@ -43,6 +43,7 @@ from scaleout.runtime import (
 from scaleout.runtime.actors import check_capacity
 from scaleout.strategies.sandblaster import SandblasterSection
 from scaleout.strategies.sandblaster.lbfgs import LbfgsState, ShardedVectors, lbfgs
+from scaleout.strategies.sandblaster.portions import next_portion, portion_bounds
 from scaleout.strategies.sandblaster.replica import SandblasterReplica
 from scaleout.train.job import Job
 from scaleout.train.objective import Supervised, is_classification
@@ -247,8 +248,7 @@ class Sandblaster:
         self.x_version += 1
         self.batch_id += 1
         batch = self.batch_id
-        size = self.opts.portion_size
-        bounds = [(s, min(s + size, self.num_examples)) for s in range(0, self.num_examples, size)]
+        bounds = portion_bounds(self.num_examples, self.opts.portion_size)
         todo = deque(range(len(bounds)))
         winners: dict[int, tuple[str, float, int]] = {}  # portion -> (key, loss sum, count)
         verdicts: dict[int, dict[int, bool]] = {r: {} for r in range(len(self.replicas))}
@@ -259,18 +259,12 @@ class Sandblaster:
         def assign(replica_id: int) -> None:
             if replica_id in busy():
                 return
-            if todo:
-                portion = todo.popleft()
-            elif self.opts.backup_tasks:
-                current = [
-                    p for _, b, p in self.running.values() if b == batch and p not in winners
-                ]
-                copies = {p: current.count(p) for p in current}
-                portion = next((p for p in current if copies[p] == 1), None)
-                if portion is None:
-                    return
-            else:
+            chosen = next_portion(
+                todo, self.running.values(), batch, winners, self.opts.backup_tasks
+            )
+            if chosen is None:
                 return
+            portion, _ = chosen
             start, stop = bounds[portion]
             future = self.replicas[replica_id].compute.remote(
                 self._call(replica_id),
