@@ -134,13 +134,14 @@ class Traffic:
     messages: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
 
-    def add(self, kind: str, nbytes: int, remote: bool) -> None:
-        self.messages += 1
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
+    def add(self, kind: str, nbytes: int, remote: bool, count: int = 1) -> None:
+        """`count` messages of `nbytes` each."""
+        self.messages += count
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + count * nbytes
         if remote:
-            self.wire_bytes += nbytes
+            self.wire_bytes += count * nbytes
         else:
-            self.local_bytes += nbytes
+            self.local_bytes += count * nbytes
 
 
 class Machine:

@@ -134,10 +134,7 @@ def _ring(
             yield env.all_of(sends)
         else:
             yield from cluster.send(machines[0], machines[1], chunk, kind)
-            traffic = cluster.traffic
-            traffic.messages += n - 1
-            traffic.wire_bytes += (n - 1) * chunk
-            traffic.by_kind[kind] = traffic.by_kind.get(kind, 0) + (n - 1) * chunk
+            cluster.traffic.add(kind, chunk, remote=True, count=n - 1)  # the others' sends
 
 
 def _send(
