@@ -63,6 +63,58 @@ def test_threads_share_cores_and_a_transfer_pays_both_ends():
     assert cluster.traffic.wire_bytes == 500_000
 
 
+def test_a_call_keeps_more_than_a_core_busy():
+    """A call of 1 s wall that keeps 1.5 cores busy, beside a 1-thread compute of 1 s, on a
+    machine with 2 cores less 0.5 idle: demand 2.5 on 1.5 cores, so both run at 0.6 of
+    their speed; the call ends at 1/0.6 s, the compute has 1 - 1/0.6 * 0.6 = 0 left too."""
+    cluster = Cluster(1, cores=2, link=Link(1e9), idle_cores=0.5)
+    env, machine = cluster.env, cluster.machines[0]
+    ends = {}
+
+    def call():
+        yield from machine.call(1.0, 1.5)
+        ends["call"] = env.now
+
+    def compute():
+        yield from machine.work(1.0)
+        ends["compute"] = env.now
+
+    env.process(call())
+    env.process(compute())
+    env.run()
+    assert ends["call"] == pytest.approx(1 / 0.6)
+    assert ends["compute"] == pytest.approx(1 / 0.6)
+    with pytest.raises(ValueError, match="idle_cores"):
+        Cluster(1, cores=1, link=Link(1e9), idle_cores=1.0)
+
+
+def test_message_cost_takes_measured_sizes_and_lines_beyond():
+    """Measured points win between them (a copy's cost is not linear in size); beyond them
+    the fitted lines; a push's caller goes on before the shard has applied it."""
+    cost = MessageCost(
+        fixed_s=0.001,
+        bytes_per_s=1e9,
+        cpu_fixed_s=0.002,
+        cpu_bytes_per_s=5e8,
+        caller_share=0.5,
+        measured_bytes=[1000, 3000],
+        measured_s=[0.010, 0.020],
+        measured_core_s=[0.012, 0.030],
+        measured_caller_core_s=[0.006, 0.006],
+        measured_caller_s=[0.002, 0.004],
+    )
+    assert cost.seconds(1000) == pytest.approx(0.010)
+    assert cost.seconds(10_000) == pytest.approx(0.001 + 1e-5)  # the line
+    assert cost.cpu_s(10_000) == pytest.approx(0.002 + 2e-5)
+    caller, callee = cost.sides(3000)
+    assert caller == pytest.approx((0.004, 0.006))
+    assert callee == pytest.approx((0.016, 0.024))
+    caller, callee = cost.sides(10_000)  # beyond: split by the CPU share
+    assert caller[0] == pytest.approx(0.5 * cost.seconds(10_000))
+    with pytest.raises(ValueError, match="one value per"):
+        MessageCost(fixed_s=0, bytes_per_s=1, measured_bytes=[1, 2], measured_s=[1.0])
+
+
 def test_parse_link():
     assert parse_link("1gbit")[0] == pytest.approx(125e6)
     assert parse_link("250mbit")[0] == pytest.approx(31.25e6)
@@ -128,15 +180,17 @@ def test_one_replica_one_shard_closed_form():
     cal = calibration(cfg)
     result = DownpourSim(cfg, Setting(cal, machines=1)).run()
     nbytes = 4 * NUM_PARAMETERS
-    pull = cal.pull.fixed_s + nbytes / cal.pull.bytes_per_s  # both halves of the copy
-    push = cal.push.fixed_s + nbytes / cal.push.bytes_per_s / 2  # the caller's half
-    apply = nbytes / cal.push.bytes_per_s / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)
-    assert apply < cal.pull.fixed_s  # so the shard is free again when the next fetch asks
+    # No CPU measured: a call keeps one core busy for its wall time, half of it the caller's.
+    pull = cal.pull.fixed_s + nbytes / cal.pull.bytes_per_s  # the shard's half, the caller's
+    push_wall = cal.push.fixed_s + nbytes / cal.push.bytes_per_s
+    push = push_wall / 2  # the caller's half
+    apply = push_wall / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)  # in the shard's queue
+    chunk_answer = cal.pull.fixed_s
+    assert apply < chunk_answer  # so the last push is applied while the chunk answers
+    # every fetch but the first waits in the shard's queue behind the last push's update
     step = pull + 0.010 + push
-    chunk_answer = 2 * cal.pull.fixed_s
     look = pull  # the evaluation and the checkpoint at the end each fetch once
-    # the last push is applied while the evaluation's fetch makes its call: hidden
-    expected = 20 * step + chunk_answer + 2 * look
+    expected = 20 * step + 19 * apply + chunk_answer + 2 * look
     assert result.run_s == pytest.approx(expected, rel=1e-9)
     assert result.extra["pushes"] == 20 and result.extra["pulls"] == 20
     assert result.wire_bytes == 0  # one machine: nothing crosses a network
@@ -159,9 +213,7 @@ def test_byte_counts_equal_a_real_runs(tmp_path):
     raw = cfg.model_dump(mode="json")
     raw["run"]["out_dir"] = str(tmp_path)
     result = fit(raw)
-    records = [
-        json.loads(line) for line in (result.run_dir / PUSHES_FILE).read_text().splitlines()
-    ]
+    records = [json.loads(line) for line in (result.run_dir / PUSHES_FILE).read_text().splitlines()]
     sim = DownpourSim(cfg, Setting(calibration(cfg), machines=1)).run()
     ranges = shard_ranges(NUM_PARAMETERS, 2)
     per_push = sum(payload_size("dynamic8", (b - a,), 0) for a, b in ranges)
@@ -194,7 +246,10 @@ def test_cli_simulate_writes_rows_and_refuses_bad_input(tmp_path):
     assert code == 0
     rows = json.loads((out / "simulate.json").read_text())["rows"]
     assert [(r["downpour.n_push"], r["machines"]) for r in rows] == [
-        ("1", 1), ("1", 2), ("3", 1), ("3", 2)
+        ("1", 1),
+        ("1", 2),
+        ("3", 1),
+        ("3", 2),
     ]
     assert all(r["examples_per_s"] > 0 and r["bottleneck"] for r in rows)
     assert (out / "simulate.png").stat().st_size > 0

@@ -8,7 +8,9 @@ What is measured, each alone on a quiet machine (the median of several repeats):
   applies a push);
 - each codec's encode and decode, ns per value, by message size;
 - a pull and a push through a real one-shard `ParameterServer` on Ray, by size, fitted as
-  `fixed + bytes / bandwidth`;
+  `fixed + bytes / bandwidth`, both in wall time and in the core-seconds all of the
+  machine's processes spend on it (Linux's /proc/stat, less what Ray uses when idle; a call
+  keeps more than one core busy, which a loaded machine feels);
 - a gloo all-reduce between two processes by size, fitted the same way;
 - a checkpoint write per byte.
 
@@ -25,6 +27,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -236,37 +239,147 @@ def in_processes(target: Callable[..., None], args: list[tuple], answers: int) -
 # --- messages ------------------------------------------------------------------------------
 
 
-def measure_shard_messages(sizes: Sequence[int] = MESSAGE_SIZES) -> tuple[MessageCost, MessageCost]:
-    """(pull, push) through a real one-shard `ParameterServer` on this machine's Ray."""
+def busy_cores_s() -> float | None:
+    """Core-seconds all processes of this machine have used since boot (Linux's
+    /proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + ticks[4]  # idle, iowait (steal, a VM's lost time, is left out)
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_idle(seconds: float = 2.0) -> float:
+    """Cores this machine keeps busy while we wait (Ray's own processes, when it is up)."""
+    before = busy_cores_s()
+    time.sleep(seconds)
+    after = busy_cores_s()
+    return 0.0 if before is None or after is None else max(0.0, (after - before) / seconds)
+
+
+@dataclass
+class CallCost:
+    """One call's wall seconds (median), and core-seconds: all processes', the caller's."""
+
+    wall_s: float
+    cpu_s: float | None
+    caller_cpu_s: float
+    caller_wall_s: float | None = None  # until the caller went on, when `fn` says
+
+
+def measure_call(
+    fn: Callable[[], float | None], idle: float, min_s: float = 0.8, warmup: int = 20
+) -> CallCost:
+    """`fn()` repeated for at least `min_s` (the CPU counters tick at 100 Hz), after
+    `warmup` calls (Ray's object store is slower until its memory has been used once); the
+    machine's busy cores less `idle` cores of background. `fn` may return the seconds its
+    caller was held up, when that is less than the whole call."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    held: list[float] = []
+    busy, own, started = busy_cores_s(), time.process_time(), time.perf_counter()
+    while len(times) < 9 or time.perf_counter() - started < min_s:
+        begin = time.perf_counter()
+        caller = fn()
+        times.append(time.perf_counter() - begin)
+        if caller is not None:
+            held.append(caller)
+    elapsed, calls = time.perf_counter() - started, len(times)
+    own = (time.process_time() - own) / calls
+    after = busy_cores_s()
+    total = None if busy is None or after is None else (after - busy - idle * elapsed) / calls
+    return CallCost(statistics.median(times), total, own, statistics.median(held) if held else None)
+
+
+def message_cost(nbytes: Sequence[int], calls: Sequence[CallCost]) -> MessageCost:
+    """`fixed + bytes / rate` fitted to the wall times and to the core-seconds, and the
+    measured points themselves."""
+    walls = [c.wall_s for c in calls]
+    fixed, per_byte = fit_line(nbytes, walls)
+    fields: dict[str, Any] = {
+        "fixed_s": fixed,
+        "bytes_per_s": 1 / per_byte,
+        "measured_bytes": list(nbytes),
+        "measured_s": walls,
+    }
+    held = [c.caller_wall_s for c in calls]
+    if all(h is not None for h in held):
+        fields["measured_caller_s"] = [max(h, 1e-6) for h in held]  # type: ignore[type-var]
+    cpus = [c.cpu_s for c in calls]
+    if all(cpu is not None for cpu in cpus):
+        cores = [max(cpu, 1e-6) for cpu in cpus]  # type: ignore[type-var]
+        cpu_fixed, cpu_per_byte = fit_line(nbytes, cores)
+        fields.update(
+            cpu_fixed_s=cpu_fixed,
+            cpu_bytes_per_s=1 / cpu_per_byte,
+            caller_share=min(sum(c.caller_cpu_s for c in calls) / sum(cores), 1.0),
+            measured_core_s=cores,
+            measured_caller_core_s=[c.caller_cpu_s for c in calls],
+        )
+    return MessageCost(**fields)
+
+
+def shard_message_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
+    """Values per call to measure: `MESSAGE_SIZES` and every shard slice the configs send
+    (Downpour's fp32 slices; Sandblaster's float64 vectors as twice as many fp32 values)."""
+    from scaleout.ps.layout import shard_ranges
+
+    sizes = set(MESSAGE_SIZES)
+    for config in configs:
+        section = getattr(config, config.train.strategy, None)
+        num_shards = getattr(section, "num_shards", None)
+        if not num_shards:
+            continue
+        numel = models[model_key(config)].num_parameters
+        width = 2 if config.train.strategy == "sandblaster" else 1
+        for start, stop in shard_ranges(numel, min(num_shards, numel)):
+            sizes.add(width * (stop - start))
+    return sorted(sizes)
+
+
+def measure_shard_messages(
+    apply_ns: float, sizes: Sequence[int] = MESSAGE_SIZES
+) -> tuple[MessageCost, MessageCost, float]:
+    """(pull, push, idle cores) through a real one-shard `ParameterServer` on this machine's
+    Ray. A push is timed to its acknowledgement; the shard's SGD update (`apply_ns` per
+    value, priced on its own) is taken out."""
     from scaleout.ps import ParameterServer
     from scaleout.train.config import TrainSection
 
-    pull_t, push_t, nbytes = [], [], []
+    pulls, pushes, nbytes, idles = [], [], [], []
     for size in sizes:
         server = ParameterServer.create(torch.zeros(size), 1, TrainSection(optimizer="sgd"))
         try:
             out, grad = torch.empty(size), torch.randn(size)
-            pull_t.append(timed(lambda s=server, o=out: s.pull_into(o), repeats=9, warmup=2))
-            pending: list[Any] = []
+            server.pull_into(out)
+            idle = measure_idle()
+            idles.append(idle)
 
-            def push(
-                s: ParameterServer = server, g: torch.Tensor = grad, sent: list = pending
-            ) -> None:
+            def pull(s: ParameterServer = server, o: torch.Tensor = out) -> None:
+                s.pull_into(o)  # the caller waits for all of it
+
+            pulls.append(measure_call(pull, idle))
+
+            def push(s: ParameterServer = server, g: torch.Tensor = grad) -> float:
+                started = time.perf_counter()
                 pushes, _ = s.push(g, [0])
-                sent.append(pushes)
+                held = time.perf_counter() - started  # the replica goes on from here
+                s.settle(pushes)
+                return held
 
-            push_t.append(timed(push, repeats=9, warmup=2))
-            for pushes in pending:
-                server.settle(pushes)
+            call = measure_call(push, idle)
+            update = apply_ns * 1e-9 * size
+            call.wall_s = max(call.wall_s - update, 1e-6)
+            if call.cpu_s is not None:
+                call.cpu_s = max(call.cpu_s - update, 1e-6)
+            pushes.append(call)
             nbytes.append(4 * size)
         finally:
             server.kill()
-    pull = fit_line(nbytes, pull_t)
-    push = fit_line(nbytes, push_t)
-    return (
-        MessageCost(fixed_s=pull[0], bytes_per_s=1 / pull[1]),
-        MessageCost(fixed_s=push[0], bytes_per_s=1 / push[1]),
-    )
+    return message_cost(nbytes, pulls), message_cost(nbytes, pushes), statistics.median(idles)
 
 
 def _allreduce_worker(rank: int, port: int, sizes: Sequence[int], out: Any) -> None:  # noqa: ANN401
@@ -327,7 +440,8 @@ def calibrate(
     codecs = measure_codecs()
     say("pulls and pushes through a parameter-server shard")
     with session(num_cpus=cores):
-        pull, push = measure_shard_messages()
+        sizes = shard_message_sizes(configs, models)
+        pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
     say("gloo all-reduce between two processes")
     allreduce = measure_allreduce()
     say("checkpoint writes")
@@ -343,5 +457,6 @@ def calibrate(
         push=push,
         allreduce=allreduce,
         checkpoint_bytes_per_s=checkpoint,
+        idle_cores=idle_cores,
         notes={"torch": torch.__version__, "python": platform.python_version()},
     )

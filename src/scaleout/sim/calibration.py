@@ -16,7 +16,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from scaleout.errors import ConfigError
 
@@ -72,14 +80,80 @@ class CodecCost(_Model):
 
 
 class MessageCost(_Model):
-    """A call between two processes of this machine that moves `n` bytes:
-    `fixed_s + n / bytes_per_s` (Ray's object store; gloo for collectives)."""
+    """A call between two processes of this machine that moves `n` bytes: it takes
+    `fixed_s + n / bytes_per_s` on a quiet machine (Ray's object store; gloo for
+    collectives) and keeps `cpu_fixed_s + n / cpu_bytes_per_s` seconds of cores busy in all
+    processes together (the caller, the callee, Ray's own), `caller_share` of them in the
+    caller's. A call keeps more than one core busy at once (serialising on one side while
+    the other copies), so on a loaded machine it takes longer than `seconds`; the simulator
+    prices it as work of that parallelism. Without the CPU fields, CPU = wall."""
 
     fixed_s: float = Field(ge=0)
     bytes_per_s: PositiveFloat
+    cpu_fixed_s: float | None = Field(default=None, ge=0)
+    cpu_bytes_per_s: PositiveFloat | None = None
+    caller_share: float = Field(default=0.5, ge=0, le=1)
+    # The measured calls (bytes ascending; the configs' own shard sizes among them): between
+    # them costs are interpolated, beyond them the fitted lines above hold. Copies are not
+    # linear in size (a 3.7 MB slice can take longer than a 4.2 MB one), so the sizes a run
+    # sends are measured as they are.
+    measured_bytes: list[PositiveInt] = []
+    measured_s: list[PositiveFloat] = []
+    measured_core_s: list[PositiveFloat] = []
+    measured_caller_core_s: list[float] = []
+    # wall seconds until the caller goes on (a push returns once its payload is in the
+    # object store; the shard applies it afterwards); none: the caller waits its CPU share
+    measured_caller_s: list[PositiveFloat] = []
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> MessageCost:
+        points = self.measured_bytes
+        if points != sorted(points):
+            raise ValueError("measured_bytes must be ascending")
+        names = ("measured_s", "measured_core_s", "measured_caller_core_s", "measured_caller_s")
+        for name in names:
+            if getattr(self, name) and len(getattr(self, name)) != len(points):
+                raise ValueError(f"{name} needs one value per measured_bytes")
+        return self
+
+    def _measured(self, values: list[float], nbytes: float) -> float | None:
+        points = self.measured_bytes
+        if not values or not points or not points[0] <= nbytes <= points[-1]:
+            return None
+        return interpolate(points, values, nbytes)
 
     def seconds(self, nbytes: float) -> float:
-        return self.fixed_s + nbytes / self.bytes_per_s
+        """Wall seconds of one call on a quiet machine."""
+        measured = self._measured(self.measured_s, nbytes)
+        return measured if measured is not None else self.fixed_s + nbytes / self.bytes_per_s
+
+    def cpu_s(self, nbytes: float) -> float:
+        """Core-seconds of one call, all processes together."""
+        measured = self._measured(self.measured_core_s, nbytes)
+        if measured is not None:
+            return measured
+        if self.cpu_fixed_s is None or self.cpu_bytes_per_s is None:
+            return self.seconds(nbytes)
+        return self.cpu_fixed_s + nbytes / self.cpu_bytes_per_s
+
+    def caller_fraction(self, nbytes: float) -> float:
+        """The share of a call's core-seconds spent in the caller's process."""
+        measured = self._measured(self.measured_caller_core_s, nbytes)
+        if measured is None:
+            return self.caller_share
+        return min(1.0, measured / max(self.cpu_s(nbytes), 1e-12))
+
+    def sides(self, nbytes: float) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((wall, core-seconds) of the caller's side, the same of the callee's side): the
+        caller's side is what it waits for, the callee's is served in the callee's queue."""
+        wall, cores = self.seconds(nbytes), self.cpu_s(nbytes)
+        fraction = self.caller_fraction(nbytes)
+        caller_wall = self._measured(self.measured_caller_s, nbytes)
+        if caller_wall is None:
+            caller_wall = fraction * wall
+        caller_wall = min(caller_wall, wall)
+        caller = (caller_wall, fraction * cores)
+        return caller, (wall - caller_wall, (1 - fraction) * cores)
 
 
 class LinkCost(_Model):
@@ -101,6 +175,8 @@ class Calibration(_Model):
     push: MessageCost  # a replica's gradient slice into the object store, per shard call
     allreduce: MessageCost | None = None  # gloo, two processes: per byte of the tensor
     checkpoint_bytes_per_s: PositiveFloat = 200e6
+    # cores that Ray's own processes (raylet, GCS, workers' heartbeats) keep busy when idle
+    idle_cores: float = Field(default=0.0, ge=0)
     link: LinkCost | None = None  # testnet hosts, when they were given
     notes: dict[str, Any] = {}
 

@@ -15,11 +15,11 @@ What runs, as the library runs it:
   `shard_checkpoint_every` updates.
 
 Byte counts are the library's: the shard ranges (`shard_ranges`) and each push's payload
-size (`Wire` / `payload_size`). Costs are the calibration's: a pull's and a push's fixed and
-per-byte costs (measured through a real shard: the fixed part is the Ray call, work on the
-caller's cores; the per-byte part is split half on each side of the call); codec
-and optimizer costs per value; the model's step at its threads, slowed when several
-replicas compute on one machine as calibrated.
+size (`Wire` / `payload_size`). Costs are the calibration's: a pull's and a push's wall
+time and the core-seconds it keeps busy (measured through a real shard, in all processes
+together; the caller's share runs on the replica's machine, the rest inside the shard's
+queue on the shard's); codec and optimizer costs per value; the model's step at its
+threads, slowed when several replicas compute on one machine as calibrated.
 
 Placement: `--machines 1` puts every replica and shard on one machine, as `scaleout train`
 does here. On N > 1 machines each machine runs one replica (`run.num_threads` threads),
@@ -38,7 +38,8 @@ import simpy
 from scaleout.compress.payload import payload_size
 from scaleout.nn.optim import STATE_BUFFERS
 from scaleout.ps.layout import shard_ranges
-from scaleout.sim.engine import Cluster, Process
+from scaleout.sim.calibration import MessageCost
+from scaleout.sim.engine import Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 
@@ -82,7 +83,7 @@ class DownpourSim:
         self.threads = config.run.num_threads or 1
         machines = setting.machines
         self.num_replicas = self.opts.num_replicas if machines == 1 else machines
-        self.cluster = Cluster(machines, setting.cores_per_machine, setting.link)
+        self.cluster = setting.cluster()
         for machine in self.cluster.machines:
             machine.cores.slowdown = self.cost.slowdown
         env = self.env = self.cluster.env
@@ -123,28 +124,36 @@ class DownpourSim:
             yield from self.cluster.machines[shard.machine].work(seconds)
             shard.busy += self.env.now - started
 
+    def _call(self, machine: int, cost: MessageCost, nbytes: int, caller: bool) -> Process:
+        """The caller's or the callee's side of one call (its share of the wall time and of
+        the cores it keeps busy)."""
+        wall, cpu = cost.sides(nbytes)[0 if caller else 1]
+        yield from self.cluster.machines[machine].call(wall, cpu)
+
     def _pull(self, replica: _Replica, shard: _Shard, kind: str = "pull") -> Process:
         nbytes = self.pull_bytes[shard.index]
-        cost = self.cal.pull
-        half = nbytes / cost.bytes_per_s / 2
-        yield from self.cluster.machines[replica.machine].work(cost.fixed_s)  # the Ray call
-        yield from self._serve(shard, half)  # the shard hands its slice to the object store
+        with shard.queue.request() as turn:  # the shard puts its slice into the object store
+            yield turn
+            started = self.env.now
+            yield from self._call(shard.machine, self.cal.pull, nbytes, caller=False)
+            shard.busy += self.env.now - started
         replica.versions[shard.index] = shard.version
         yield from self.cluster.send(shard.machine, replica.machine, nbytes, kind)
-        yield from self.cluster.machines[replica.machine].work(half)  # into the parameters
+        # the Ray call and the copy into the parameters
+        yield from self._call(replica.machine, self.cal.pull, nbytes, caller=True)
 
     def _apply(self, replica: _Replica, shard: _Shard, base_version: int) -> Process:
         nbytes = self.push_bytes[shard.index]
         yield from self.cluster.send(replica.machine, shard.machine, nbytes, "push")
-        seconds = (
-            nbytes / self.cal.push.bytes_per_s / 2
-            + self.cal.codec_s(self.codec, shard.numel, "decode")
-            + self.cal.apply_s(self.train.optimizer, shard.numel)
+        seconds = self.cal.codec_s(self.codec, shard.numel, "decode") + self.cal.apply_s(
+            self.train.optimizer, shard.numel
         )
+        machine = self.cluster.machines[shard.machine]
         with shard.queue.request() as turn:
             yield turn
             started = self.env.now
-            yield from self.cluster.machines[shard.machine].work(seconds)
+            yield from self._call(shard.machine, self.cal.push, nbytes, caller=False)
+            yield from machine.work(seconds)
             self.staleness.append(shard.version - base_version)
             shard.version += 1
             shard.updates += 1
@@ -164,10 +173,10 @@ class DownpourSim:
         if replica.pending:  # the previous push must be applied first (`_collect(wait=True)`)
             yield self.env.all_of(replica.pending)
         machine = self.cluster.machines[replica.machine]
-        cost = self.cal.push
         encode = sum(self.cal.codec_s(self.codec, s.numel, "encode") for s in self.shards)
-        put = sum(b / cost.bytes_per_s / 2 for b in self.push_bytes)
-        yield from machine.work(encode + put + cost.fixed_s * len(self.shards))
+        yield from machine.work(encode)
+        for nbytes in self.push_bytes:  # into the object store, a call per shard
+            yield from self._call(replica.machine, self.cal.push, nbytes, caller=True)
         self.pushes += 1
         versions = list(replica.versions)
         replica.pending = [
@@ -187,7 +196,8 @@ class DownpourSim:
             replica.steps += 1
             if replica.steps % self.opts.n_push == 0:
                 yield from self._push(replica)
-        yield from machine.work(2 * self.cal.pull.fixed_s)  # the chunk's answer to the driver
+        answer = self.cal.pull  # the chunk's answer to the driver: a call with no payload
+        yield from machine.call(answer.seconds(0), answer.cpu_s(0))
 
     def _look(self, replica: _Replica) -> Process:
         """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a

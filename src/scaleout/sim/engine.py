@@ -162,16 +162,31 @@ class Machine:
         """One thread's `seconds` of other work (copies, codecs, an optimizer's update)."""
         yield from self.cores.run(seconds, 1.0)
 
+    def call(self, seconds: float, cpu_seconds: float) -> Process:
+        """A call between processes that takes `seconds` on a quiet machine and keeps
+        `cpu_seconds` of cores busy meanwhile (several threads and processes at once)."""
+        if seconds > EPS:
+            yield from self.cores.run(seconds, cpu_seconds / seconds)
+        elif cpu_seconds > EPS:  # work that waits for nothing: as fast as one thread
+            yield from self.cores.run(cpu_seconds, 1.0)
+
 
 class Cluster:
     """The machines of one simulated run and the bytes that move between them; messages
     between machines pay the link's latency and bandwidth on both ends."""
 
-    def __init__(self, num_machines: int, cores: float, link: Link) -> None:
+    def __init__(
+        self, num_machines: int, cores: float, link: Link, idle_cores: float = 0.0
+    ) -> None:
+        """`idle_cores` of each machine are taken by background processes (Ray's own)."""
         if num_machines < 1:
             raise ValueError(f"need at least one machine, got {num_machines}")
+        if not 0 <= idle_cores < cores:
+            raise ValueError(f"idle_cores must be in [0, {cores}), got {idle_cores}")
         self.env = simpy.Environment()
-        self.machines = [Machine(self.env, i, cores, link) for i in range(num_machines)]
+        self.machines = [
+            Machine(self.env, i, cores - idle_cores, link) for i in range(num_machines)
+        ]
         self.traffic = Traffic()
 
     def send(self, source: int, dest: int, nbytes: int, kind: str = "message") -> Process:

@@ -58,7 +58,7 @@ import simpy
 
 from scaleout.errors import ConfigError
 from scaleout.ps.layout import shard_ranges
-from scaleout.sim.engine import Cluster, Process
+from scaleout.sim.engine import Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 from scaleout.sim.sync import driver_chunks
@@ -141,7 +141,7 @@ class SandblasterSim:
         train_size = self.cost.train_size or _training_set_size(config)
         self.batch_size = min(opts.batch_size or train_size, train_size)
         self.bounds = portion_bounds(self.batch_size, opts.portion_size)
-        self.cluster = Cluster(machines, setting.cores_per_machine, setting.link)
+        self.cluster = setting.cluster()
         for machine in self.cluster.machines:
             machine.cores.slowdown = self.cost.slowdown
         self.env = self.cluster.env

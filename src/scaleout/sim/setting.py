@@ -13,7 +13,7 @@ from typing import Any
 
 from scaleout.errors import ConfigError
 from scaleout.sim.calibration import Calibration, ModelCost
-from scaleout.sim.engine import Link
+from scaleout.sim.engine import Cluster, Link
 
 # Named links: (bytes/s each way, one-way latency in seconds, incl. the network stack).
 LINKS: dict[str, tuple[float, float]] = {
@@ -58,9 +58,20 @@ class Setting:
         if self.cores is not None and self.cores <= 0:
             raise ConfigError(f"--cores-per-machine {self.cores}: give a number > 0")
 
+        if self.cores_per_machine <= self.calibration.idle_cores:
+            raise ConfigError(
+                f"--cores-per-machine {self.cores_per_machine}: Ray alone keeps "
+                f"{self.calibration.idle_cores:.2f} cores busy; give more"
+            )
+
     @property
     def cores_per_machine(self) -> float:
         return self.cores if self.cores is not None else float(self.calibration.cores)
+
+    def cluster(self) -> Cluster:
+        """The simulated machines, less the cores Ray's idle processes keep busy."""
+        cal = self.calibration
+        return Cluster(self.machines, self.cores_per_machine, self.link, cal.idle_cores)
 
 
 def model_cost(config: Any, calibration: Calibration) -> ModelCost:  # noqa: ANN401

@@ -191,7 +191,7 @@ class SyncSim:
                 f"train.batch_size = {self.train.batch_size} must be a multiple of {where} = "
                 f"{self.num_workers} (each worker trains on an equal slice of the batch)"
             )
-        self.cluster = Cluster(machines, setting.cores_per_machine, setting.link)
+        self.cluster = setting.cluster()
         for machine in self.cluster.machines:
             machine.cores.slowdown = self.cost.slowdown
         self.env = self.cluster.env
