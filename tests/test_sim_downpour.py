@@ -88,6 +88,23 @@ def test_a_call_keeps_more_than_a_core_busy():
         Cluster(1, cores=1, link=Link(1e9), idle_cores=1.0)
 
 
+def test_testnet_hosts_of_one_box_share_its_cores():
+    """Two hosts of a 1-core box (`one_box`): a 1 s job on each takes 2 s; on two real
+    machines each has its core."""
+    for one_box, end in ((True, 2.0), (False, 1.0)):
+        cluster = Cluster(2, cores=1, link=Link(1e9), one_box=one_box)
+        env, ends = cluster.env, []
+
+        def job(machine, env=env, ends=ends):
+            yield from machine.work(1.0)
+            ends.append(env.now)
+
+        for machine in cluster.machines:
+            env.process(job(machine))
+        env.run()
+        assert ends == [pytest.approx(end)] * 2
+
+
 def test_message_cost_takes_measured_sizes_and_lines_beyond():
     """Measured points win between them (a copy's cost is not linear in size); beyond them
     the fitted lines; a push's caller goes on before the shard has applied it."""
@@ -185,12 +202,14 @@ def test_one_replica_one_shard_closed_form():
     push_wall = cal.push.fixed_s + nbytes / cal.push.bytes_per_s
     push = push_wall / 2  # the caller's half
     apply = push_wall / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)  # in the shard's queue
-    chunk_answer = cal.pull.fixed_s
+    # The driver hands the chunk out (a call's caller half) and takes its answer (the
+    # replica's half, then the driver's).
+    hand_out, chunk_answer = cal.pull.fixed_s / 2, cal.pull.fixed_s
     assert apply < chunk_answer  # so the last push is applied while the chunk answers
     # every fetch but the first waits in the shard's queue behind the last push's update
     step = pull + 0.010 + push
     look = pull  # the evaluation and the checkpoint at the end each fetch once
-    expected = 20 * step + 19 * apply + chunk_answer + 2 * look
+    expected = hand_out + 20 * step + 19 * apply + chunk_answer + 2 * look
     assert result.run_s == pytest.approx(expected, rel=1e-9)
     assert result.extra["pushes"] == 20 and result.extra["pulls"] == 20
     assert result.wire_bytes == 0  # one machine: nothing crosses a network

@@ -148,10 +148,13 @@ def test_sync_average_every_two_steps():
     def ring(size):
         return 2 * (n - 1) * (latency + size / n / bandwidth)
 
+    def average(size):  # flatten, all-reduce, scale and copy back
+        return size / setting.calibration.flatten_bytes_per_s + ring(size)
+
     # after the last step the driver evaluates (the workers average their weights first)
     # and checkpoints (they average weights and momentum first)
     averages = steps // 2 + 1
-    expected = steps * (1e-3 * 128 / n + opt) + averages * ring(nbytes) + ring(4 * N_PARAMS)
+    expected = steps * (1e-3 * 128 / n + opt) + averages * average(nbytes) + average(4 * N_PARAMS)
     assert result.run_s == pytest.approx(expected, rel=REL)
     assert result.wire_bytes == 2 * (n - 1) * (averages * nbytes + 4 * N_PARAMS)
 

@@ -154,11 +154,12 @@ def _simulate(args: argparse.Namespace) -> int:
         sweep=list(args.sweep),
         overrides=list(args.set),
         steps=args.steps,
+        one_box=args.one_box,
     )
     rows = simulate(request, progress=lambda line: err.print(f"simulating {line}"))
     keys = [item.partition("=")[0] for item in request.sweep]
     table = Table(title=f"simulate {args.config} over {args.link}")
-    columns = [*keys, "machines", "examples/s", "step ms", "bottleneck", "utilisation"]
+    columns = [*keys, "machines", "examples/s", "steady", "step ms", "bottleneck", "utilisation"]
     for column in [*columns, "wire MB", "staleness"]:
         left = column in ("bottleneck", "utilisation")
         table.add_column(column, justify="left" if left else "right")
@@ -169,6 +170,7 @@ def _simulate(args: argparse.Namespace) -> int:
             *(str(row[k]) for k in keys),
             str(row["machines"]),
             f"{row['examples_per_s']:,.0f}",
+            "" if row["steady_examples_per_s"] is None else f"{row['steady_examples_per_s']:,.0f}",
             f"{1000 * row['step_s']:.2f}",
             row["bottleneck"],
             busy,
@@ -287,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="as `scaleout train`"
     )
     simulate.add_argument("--steps", type=int, help="steps to simulate (default: the run's)")
+    simulate.add_argument(
+        "--one-box",
+        action="store_true",
+        help="the machines are testnet hosts of this box: own links, the box's cores shared",
+    )
     simulate.add_argument(
         "--out", type=Path, default=Path("results/sim"), help="writes simulate.json and .png"
     )

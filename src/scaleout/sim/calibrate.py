@@ -12,7 +12,7 @@ What is measured, each alone on a quiet machine (the median of several repeats):
   machine's processes spend on it (Linux's /proc/stat, less what Ray uses when idle; a call
   keeps more than one core busy, which a loaded machine feels);
 - a gloo all-reduce between two processes by size, fitted the same way;
-- a checkpoint write per byte.
+- a checkpoint write per byte, and the local part of sync's weight averaging per byte.
 
 The simulator prices every event from these numbers (`Calibration`).
 """
@@ -107,27 +107,50 @@ class _Stepper:
         loss.backward()
 
 
-def _concurrent_steps(raw: dict, steps: int, barrier: Any, out: Any) -> None:  # noqa: ANN401
-    """One of k processes stepping at once (1 thread each): its seconds per step."""
+def _alone_and_together(
+    raw: dict,
+    rank: int,
+    steps: int,
+    rounds: int,
+    barrier: Any,  # noqa: ANN401
+    out: Any,  # noqa: ANN401
+) -> None:
+    """One of k processes (1 thread each): rounds of rank 0 stepping alone, then all k
+    stepping at once; rank 0 answers its median seconds per step alone and together."""
     from scaleout.api import config_from_dict
 
     torch.set_num_threads(1)
     stepper = _Stepper(config_from_dict(raw))
     stepper.step()
-    barrier.wait()
-    out.put(timed(stepper.step, repeats=steps, warmup=2))
+    alone, together = [], []
+    for _ in range(rounds):
+        barrier.wait()
+        if rank == 0:
+            alone.append(timed(stepper.step, repeats=steps, warmup=1))
+        barrier.wait()
+        together.append(timed(stepper.step, repeats=steps, warmup=1))
+    if rank == 0:
+        out.put((statistics.median(alone), statistics.median(together)))
 
 
-def measure_concurrent(config: Any, processes: int, steps: int) -> float:  # noqa: ANN401
-    """Seconds per example of one process's step while `processes` step at once, each with
-    one thread (memory bandwidth and caches are shared: the machine's real ceiling)."""
+def measure_concurrent(
+    config: Any,  # noqa: ANN401
+    processes: int,
+    steps: int,
+    rounds: int = 5,
+) -> tuple[float, float]:
+    """Seconds per example of one 1-thread process's step alone and while `processes` step
+    at once (memory bandwidth and caches are shared: the machine's real ceiling). Both in
+    the same processes, alternately: a process's memory layout alone moves its step by
+    several percent on this box, which is not the slow-down sought."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(processes)
     raw = config.model_dump(mode="json")
-    times = in_processes(_concurrent_steps, [(raw, steps, barrier)] * processes, processes)
-    return statistics.median(times) / config.train.batch_size
+    args = [(raw, rank, steps, rounds, barrier) for rank in range(processes)]
+    alone, together = in_processes(_alone_and_together, args, 1)[0]
+    return alone / config.train.batch_size, together / config.train.batch_size
 
 
 def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noqa: ANN401
@@ -157,9 +180,11 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
         eval_s = timed(evaluate, repeats=3) / len(test_set)
     finally:
         torch.set_num_threads(saved)
-    concurrent_s = {1: train_s[1]}
+    concurrent_s: dict[int, float] = {}
     for processes in range(2, cores + 1):
-        concurrent_s[processes] = measure_concurrent(config, processes, steps)
+        alone, concurrent_s[processes] = measure_concurrent(config, processes, steps)
+        concurrent_s.setdefault(1, alone)
+    concurrent_s = dict(sorted(concurrent_s.items()))
     try:
         flops = describe_model(config).forward_flops
     except Exception:  # a model the FLOP counter cannot trace: its measured time stands
@@ -408,6 +433,22 @@ def measure_allreduce(sizes: Sequence[int] = MESSAGE_SIZES) -> MessageCost:
     return MessageCost(fixed_s=fixed, bytes_per_s=1 / per_byte)
 
 
+def measure_flatten(numel: int = 4_000_000, pieces: int = 8) -> float:
+    """Bytes per second of flattening tensors, scaling and copying them back, one thread:
+    `average_tensors` without its all-reduce."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    tensors = [torch.randn(numel // pieces) for _ in range(pieces)]
+
+    def local_part() -> None:
+        flat = _flatten_dense_tensors(tensors)
+        flat.div_(2)
+        for tensor, mean in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+            tensor.copy_(mean)
+
+    return 4 * numel / timed(local_part, repeats=7, warmup=2)
+
+
 def measure_checkpoint(numel: int = 4_000_000) -> float:
     """Bytes per second of an atomic, verified checkpoint write."""
     from scaleout.checkpoint import save_checkpoint
@@ -446,6 +487,7 @@ def calibrate(
     allreduce = measure_allreduce()
     say("checkpoint writes")
     checkpoint = measure_checkpoint()
+    flatten = measure_flatten()
     return Calibration(
         host=socket.gethostname(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -457,6 +499,7 @@ def calibrate(
         push=push,
         allreduce=allreduce,
         checkpoint_bytes_per_s=checkpoint,
+        flatten_bytes_per_s=flatten,
         idle_cores=idle_cores,
         notes={"torch": torch.__version__, "python": platform.python_version()},
     )

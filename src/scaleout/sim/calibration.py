@@ -175,6 +175,9 @@ class Calibration(_Model):
     push: MessageCost  # a replica's gradient slice into the object store, per shard call
     allreduce: MessageCost | None = None  # gloo, two processes: per byte of the tensor
     checkpoint_bytes_per_s: PositiveFloat = 200e6
+    # flatten a list of tensors, scale it and copy it back (sync "average" mode's work
+    # around its all-reduce), bytes of the tensors per second
+    flatten_bytes_per_s: PositiveFloat = 1e9
     # cores that Ray's own processes (raylet, GCS, workers' heartbeats) keep busy when idle
     idle_cores: float = Field(default=0.0, ge=0)
     link: LinkCost | None = None  # testnet hosts, when they were given

@@ -3,10 +3,12 @@
 What runs, as the library runs it:
 
 - the driver hands chunks of at most `CHUNK_STEPS` steps (never past the next metrics line)
-  to whichever replica is free; the first `warmstart_steps` go to replica 0 alone, which
-  then stops exactly at each evaluation and checkpoint; at an evaluation the driver waits
-  for replica 0 to finish its chunk, then replica 0 fetches the shards' values and runs the
-  test set, while the others finish their chunks and wait for the driver;
+  to whichever replica is free, each hand-out and each answer a call its one thread makes;
+  the first `warmstart_steps` go to replica 0 alone, which then stops exactly at each
+  evaluation and checkpoint; at an evaluation the driver waits for replica 0 to finish its
+  chunk, then replica 0 fetches the shards' values and runs the test set, while the others
+  finish their chunks and wait for the driver (no chunk is handed out meanwhile: the
+  role "evaluation pauses");
 - a replica (`ReplicaClient`, threads off) fetches every `n_fetch` steps from all shards at
   once, computes a step, and every `n_push` steps waits until its previous push is applied,
   encodes its gradient per shard, puts it into the object store and goes on;
@@ -109,6 +111,11 @@ class DownpourSim:
         self.step = self.examples = 0
         self.pushes = self.pulls = 0
         self.times: list[tuple[float, int]] = []  # (time, examples) after each chunk
+        self.steady_since: float | None = None  # when the warm start ended
+        self.driver = simpy.Resource(env, capacity=1)
+        self.driver_busy = 0.0
+        self.paused_s = 0.0  # the driver evaluating or checkpointing, in the steady part
+        self.step_ends: list[float] = []  # when each step's compute ended, in order
 
     def _state_bytes(self, shard: _Shard) -> int:
         """What a shard's checkpoint writes: its values and its optimizer's state."""
@@ -183,8 +190,19 @@ class DownpourSim:
             self.env.process(self._apply(replica, s, versions[s.index])) for s in self.shards
         ]
 
+    def _driver_turn(self) -> Process:
+        """The driver's one thread (on machine 0) makes or takes one call of a chunk: hands
+        it out, or takes its answer. With a thousand replicas it is busy."""
+        (wall, cpu), _ = self.cal.pull.sides(0)
+        with self.driver.request() as turn:
+            yield turn
+            started = self.env.now
+            yield from self.cluster.machines[0].call(wall, cpu)
+            self.driver_busy += self.env.now - started
+
     def _chunk(self, replica: _Replica, steps: int) -> Process:
         """`train_chunk(steps)` on the replica's actor."""
+        yield from self._driver_turn()
         machine = self.cluster.machines[replica.machine]
         step_s = self.cost.step_s(self.train.batch_size, self.threads)
         for _ in range(steps):
@@ -194,10 +212,12 @@ class DownpourSim:
             yield from machine.compute(step_s, self.threads)
             replica.compute_s += self.env.now - started
             replica.steps += 1
+            self.step_ends.append(self.env.now)
             if replica.steps % self.opts.n_push == 0:
                 yield from self._push(replica)
-        answer = self.cal.pull  # the chunk's answer to the driver: a call with no payload
-        yield from machine.call(answer.seconds(0), answer.cpu_s(0))
+        _, (wall, cpu) = self.cal.pull.sides(0)  # the answer: a call's callee side, no payload
+        yield from machine.call(wall, cpu)
+        yield from self._driver_turn()
 
     def _look(self, replica: _Replica) -> Process:
         """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a
@@ -228,6 +248,8 @@ class DownpourSim:
         assigned = 0
         while self.step < total:
             warm = self.step < opts.warmstart_steps
+            if not warm and self.steady_since is None:
+                self._mark()
             active = [0] if warm else list(range(self.num_replicas))
             limit = total
             if len(active) == 1:  # one replica stops exactly at evaluations and checkpoints
@@ -254,12 +276,15 @@ class DownpourSim:
                 self.times.append((env.now, self.examples))
             evaluating = self.step % cfg.eval_every == 0 or self.step >= total
             saving = self.step % cfg.checkpoint_every == 0 or self.step >= total
+            paused = env.now  # no chunk is handed out until the driver is back
             if (evaluating or saving) and 0 in in_flight:
                 yield in_flight[0]  # the call waits behind replica 0's chunk (counted next)
             if evaluating:
                 yield env.process(self._evaluate(self.replicas[0]))
             if saving:
                 yield env.process(self._checkpoint(self.replicas[0]))
+            if self.steady_since is not None:
+                self.paused_s += env.now - paused
             self.times.append((env.now, self.examples))
         for proc in in_flight.values():  # chunks still running end with the run
             yield proc
@@ -268,6 +293,17 @@ class DownpourSim:
                 yield from self._push(replica)
             yield env.all_of(replica.pending)
         self.times.append((env.now, self.examples))
+
+    def _mark(self) -> None:
+        """Utilisation from here on: the warm start's one replica would hide the bottleneck
+        of the steady part."""
+        self.steady_since = self.env.now
+        self.cluster.mark()
+        for shard in self.shards:
+            shard.busy = 0.0
+        for replica in self.replicas:
+            replica.compute_s = 0.0
+        self.driver_busy = 0.0
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -292,16 +328,20 @@ class DownpourSim:
     def _result(self, total: int) -> Result:
         elapsed = self.env.now
         examples = total * self.train.batch_size
-        warm = self.opts.warmstart_steps * self.train.batch_size
-        after_warm = [(t, e) for t, e in self.times if e >= warm]
+        # The steady rate: steps as they end, in the middle of the run after the warm start
+        # (without the replicas' first fetches all at once, or the last chunks ending alone).
+        ends, first = self.step_ends, self.opts.warmstart_steps
+        low, high = first + (len(ends) - first) // 5, first + 9 * (len(ends) - first) // 10
         steady = None
-        if len(after_warm) >= 2 and after_warm[-1][0] > after_warm[0][0]:
-            (t0, e0), (t1, e1) = after_warm[0], after_warm[-1]
-            steady = (e1 - e0) / (t1 - t0)
-        replica_busy = [r.compute_s / elapsed for r in self.replicas if r.steps]
+        if high < len(ends) and ends[high] > ends[low]:
+            steady = (high - low) * self.train.batch_size / (ends[high] - ends[low])
+        span = elapsed - (self.steady_since or 0.0)
+        replica_busy = [r.compute_s / span for r in self.replicas if r.steps] if span else []
         roles = {
             "replica compute": statistics.mean(replica_busy) if replica_busy else 0.0,
-            "shard queue": max(s.busy / elapsed for s in self.shards),
+            "shard queue": max(s.busy / span for s in self.shards) if span else 0.0,
+            "driver": self.driver_busy / span if span else 0.0,
+            "evaluation pauses": self.paused_s / span if span else 0.0,
         }
         stale = self.staleness or [0]
         return Result.of_run(

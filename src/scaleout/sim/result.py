@@ -27,7 +27,9 @@ class Result:
     wire_bytes: int  # between machines
     local_bytes: int  # between processes of one machine
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
-    steady_examples_per_s: float | None = None  # after a warm start, when there is one
+    # after a warm start (Downpour) or the first iteration (Sandblaster), when there is one;
+    # utilisation is of that steady part too
+    steady_examples_per_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -51,6 +51,7 @@ class Setting:
     cores: float | None = None  # per machine; None: the calibrated machine's
     link: Link = field(default_factory=lambda: Link(*LINKS["1gbit"]))
     steps: int | None = None  # steps to simulate; None: the strategy's default
+    one_box: bool = False  # the machines are testnet hosts of one box, sharing its cores
 
     def __post_init__(self) -> None:
         if self.machines < 1:
@@ -58,10 +59,11 @@ class Setting:
         if self.cores is not None and self.cores <= 0:
             raise ConfigError(f"--cores-per-machine {self.cores}: give a number > 0")
 
-        if self.cores_per_machine <= self.calibration.idle_cores:
+        idle = self.calibration.idle_cores * (self.machines if self.one_box else 1)
+        if self.cores_per_machine <= idle:
             raise ConfigError(
-                f"--cores-per-machine {self.cores_per_machine}: Ray alone keeps "
-                f"{self.calibration.idle_cores:.2f} cores busy; give more"
+                f"--cores-per-machine {self.cores_per_machine}: Ray alone keeps {idle:.2f} "
+                "cores busy; give more"
             )
 
     @property
@@ -71,7 +73,9 @@ class Setting:
     def cluster(self) -> Cluster:
         """The simulated machines, less the cores Ray's idle processes keep busy."""
         cal = self.calibration
-        return Cluster(self.machines, self.cores_per_machine, self.link, cal.idle_cores)
+        return Cluster(
+            self.machines, self.cores_per_machine, self.link, cal.idle_cores, self.one_box
+        )
 
 
 def model_cost(config: Any, calibration: Calibration) -> ModelCost:  # noqa: ANN401

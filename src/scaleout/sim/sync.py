@@ -272,7 +272,7 @@ class SyncSim:
             yield from self._optimizer()
             if (self.step + 1) % self.opts.average_every == 0:
                 averaging = env.now
-                yield from self._allreduce(self.state_bytes)
+                yield from self._average(self.state_bytes)
                 self.exposed.append(env.now - averaging)
         self.step += 1
 
@@ -286,15 +286,26 @@ class SyncSim:
         yield self.env.timeout(self.cal.pull.fixed_s)  # the answers
         self.train_s += self.env.now - started
 
+    def _average(self, nbytes: int) -> Process:
+        """`average_tensors`: every worker flattens its tensors, the flat copy is
+        all-reduced, then scaled and copied back (local work on each worker's cores)."""
+        env, machines = self.env, self.cluster.machines
+        local = nbytes / self.cal.flatten_bytes_per_s
+        half = [env.process(machines[m].work(local / 2)) for m in self.where]
+        yield env.all_of(half)
+        yield from self._allreduce(nbytes)
+        half = [env.process(machines[m].work(local / 2)) for m in self.where]
+        yield env.all_of(half)
+
     def _evaluate(self) -> Process:
         if self.opts.mode == "average":  # the workers' average weights, then rank 0 tests
-            yield from self._allreduce(4 * self.numel)
+            yield from self._average(4 * self.numel)
         seconds = self.cost.test_size * self.cost.eval_s
         yield from self.cluster.machines[self.where[0]].compute(seconds, self.threads)
 
     def _checkpoint(self) -> Process:
         if self.opts.mode == "average":  # `average_now` before rank 0's state
-            yield from self._allreduce(self.state_bytes)
+            yield from self._average(self.state_bytes)
         yield self.env.timeout(self.state_bytes / self.cal.checkpoint_bytes_per_s)
 
     def _driver(self, total: int) -> Process:
