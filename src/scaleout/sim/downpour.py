@@ -192,7 +192,7 @@ class DownpourSim:
 
     def _driver_turn(self) -> Process:
         """The driver's one thread (on machine 0) makes or takes one call of a chunk: hands
-        it out, or takes its answer. With a thousand replicas it is busy."""
+        it out, or takes its answer; replicas whose chunks end together queue for it."""
         (wall, cpu), _ = self.cal.pull.sides(0)
         with self.driver.request() as turn:
             yield turn
