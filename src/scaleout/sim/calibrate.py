@@ -313,10 +313,11 @@ def measure_call(
         if caller is not None:
             held.append(caller)
     elapsed, calls = time.perf_counter() - started, len(times)
-    own = (time.process_time() - own) / calls
+    caller_cpu = (time.process_time() - own) / calls
     after = busy_cores_s()
     total = None if busy is None or after is None else (after - busy - idle * elapsed) / calls
-    return CallCost(statistics.median(times), total, own, statistics.median(held) if held else None)
+    caller_wall = statistics.median(held) if held else None
+    return CallCost(statistics.median(times), total, caller_cpu, caller_wall)
 
 
 def message_cost(nbytes: Sequence[int], calls: Sequence[CallCost]) -> MessageCost:

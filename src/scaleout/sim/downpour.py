@@ -123,12 +123,12 @@ class DownpourSim:
 
     # --- one shard call --------------------------------------------------------------------
 
-    def _serve(self, shard: _Shard, seconds: float) -> Process:
-        """`seconds` of one thread's work on the shard, after the calls queued before."""
+    def _serve(self, shard: _Shard, work: Process) -> Process:
+        """`work` in the shard's actor, after the calls queued before (one at a time)."""
         with shard.queue.request() as turn:
             yield turn
             started = self.env.now
-            yield from self.cluster.machines[shard.machine].work(seconds)
+            yield from work
             shard.busy += self.env.now - started
 
     def _call(self, machine: int, cost: MessageCost, nbytes: int, caller: bool) -> Process:
@@ -139,11 +139,8 @@ class DownpourSim:
 
     def _pull(self, replica: _Replica, shard: _Shard, kind: str = "pull") -> Process:
         nbytes = self.pull_bytes[shard.index]
-        with shard.queue.request() as turn:  # the shard puts its slice into the object store
-            yield turn
-            started = self.env.now
-            yield from self._call(shard.machine, self.cal.pull, nbytes, caller=False)
-            shard.busy += self.env.now - started
+        # the shard puts its slice into the object store
+        yield from self._serve(shard, self._call(shard.machine, self.cal.pull, nbytes, False))
         replica.versions[shard.index] = shard.version
         yield from self.cluster.send(shard.machine, replica.machine, nbytes, kind)
         # the Ray call and the copy into the parameters
@@ -152,23 +149,23 @@ class DownpourSim:
     def _apply(self, replica: _Replica, shard: _Shard, base_version: int) -> Process:
         nbytes = self.push_bytes[shard.index]
         yield from self.cluster.send(replica.machine, shard.machine, nbytes, "push")
+        yield from self._serve(shard, self._update(shard, nbytes, base_version))
+
+    def _update(self, shard: _Shard, nbytes: int, base_version: int) -> Process:
+        """The shard takes a push: the call's callee side, decode, the optimizer's step, and
+        every `shard_checkpoint_every` updates a checkpoint."""
         seconds = self.cal.codec_s(self.codec, shard.numel, "decode") + self.cal.apply_s(
             self.train.optimizer, shard.numel
         )
-        machine = self.cluster.machines[shard.machine]
-        with shard.queue.request() as turn:
-            yield turn
-            started = self.env.now
-            yield from self._call(shard.machine, self.cal.push, nbytes, caller=False)
-            yield from machine.work(seconds)
-            self.staleness.append(shard.version - base_version)
-            shard.version += 1
-            shard.updates += 1
-            every = self.opts.shard_checkpoint_every
-            if every and shard.updates % every == 0:
-                state = self._state_bytes(shard)
-                yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
-            shard.busy += self.env.now - started
+        yield from self._call(shard.machine, self.cal.push, nbytes, caller=False)
+        yield from self.cluster.machines[shard.machine].work(seconds)
+        self.staleness.append(shard.version - base_version)
+        shard.version += 1
+        shard.updates += 1
+        every = self.opts.shard_checkpoint_every
+        if every and shard.updates % every == 0:
+            state = self._state_bytes(shard)
+            yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
 
     # --- a replica's steps -----------------------------------------------------------------
 
@@ -235,7 +232,7 @@ class DownpourSim:
         """The shards checkpoint, then replica 0 writes the model."""
         for shard in self.shards:
             state = self._state_bytes(shard)
-            yield from self._serve(shard, 0.0)
+            yield from self._serve(shard, self.cluster.machines[shard.machine].work(0.0))
             yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
         yield from self._look(replica)
         yield self.env.timeout(4 * self.numel / self.cal.checkpoint_bytes_per_s)
