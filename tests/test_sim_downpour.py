@@ -132,6 +132,14 @@ def test_message_cost_takes_measured_sizes_and_lines_beyond():
         MessageCost(fixed_s=0, bytes_per_s=1, measured_bytes=[1, 2], measured_s=[1.0])
 
 
+def test_step_cost_has_a_part_that_does_not_shrink_with_the_batch():
+    cost = ModelCost(num_parameters=10, batch_size=128, train_s={1: 1e-4, 2: 6e-5}, eval_s=1e-6)
+    assert cost.step_s(64, 1) == pytest.approx(64e-4)  # no fixed part: per example
+    fixed = cost.model_copy(update={"fixed_fraction": 0.25})
+    assert fixed.step_s(128, 2) == pytest.approx(128 * 6e-5)
+    assert fixed.step_s(64, 1) == pytest.approx(128e-4 * (0.25 + 0.75 / 2))
+
+
 def test_parse_link():
     assert parse_link("1gbit")[0] == pytest.approx(125e6)
     assert parse_link("250mbit")[0] == pytest.approx(31.25e6)

@@ -32,6 +32,8 @@ def calibration(
     optimizer_s: float = 0.0,
     allreduce: MessageCost | None = None,
     codecs: dict[str, CodecCost] | None = None,
+    flatten_bytes_per_s: float = 1e30,
+    parameter_numels: list[int] | None = None,
 ) -> Calibration:
     cost = ModelCost(
         num_parameters=num_parameters,
@@ -40,6 +42,7 @@ def calibration(
         eval_s=1e-6,
         test_size=0,  # no evaluation cost
         optimizer_s=optimizer_s,
+        parameter_numels=parameter_numels or [],
     )
     return Calibration(
         cores=cores,
@@ -50,6 +53,7 @@ def calibration(
         push=FREE,
         allreduce=allreduce,
         checkpoint_bytes_per_s=1e30,
+        flatten_bytes_per_s=flatten_bytes_per_s,
     )
 
 
@@ -78,14 +82,29 @@ def test_ring_allgather_equals_closed_form():
     assert cluster.traffic.wire_bytes == (n - 1) * n * nbytes
 
 
-def test_two_ranks_on_one_machine_take_the_calibrated_allreduce():
-    cost = MessageCost(fixed_s=3e-4, bytes_per_s=2e9)
+@pytest.mark.parametrize("core_factor", [1.0, 6.0])
+def test_two_ranks_on_one_machine_take_the_calibrated_allreduce(core_factor):
+    """Measured points are interpolated; calls that keep more cores busy than the machine
+    has (two ranks of 3 core-seconds per second, each capped at its 2 cores) are slower."""
+    sizes, walls = [1_000_000, 16_000_000], [1e-3, 5e-3]
+    cost = MessageCost(
+        fixed_s=3e-4,
+        bytes_per_s=2e9,
+        measured_bytes=sizes,
+        measured_s=walls,
+        measured_core_s=[core_factor * w for w in walls],
+        measured_caller_core_s=[core_factor * w / 2 for w in walls],
+    )
     config = load_config("configs/mnist_sync.toml")
     cal = calibration(config, 1000, 1e-3, cores=2, allreduce=cost)
     cluster = Cluster(1, cores=2, link=Link(1e9, 0.0))
     done = cluster.env.process(ring_allreduce(cluster, [0, 0], 8_000_000, cal))
     cluster.run(done)
-    assert cluster.env.now == pytest.approx(cost.seconds(8_000_000), rel=REL)
+    quiet = 1e-3 + 4e-3 * math.log(8) / math.log(16)  # interpolated in log size
+    assert cost.seconds(8_000_000) == pytest.approx(quiet, rel=REL)
+    per_rank = min(core_factor / 2, 2)  # cores a rank's call keeps busy (at most all)
+    slower = max(1.0, 2 * per_rank / 2)  # two ranks on the machine's 2 cores
+    assert cluster.env.now == pytest.approx(slower * quiet, rel=REL)
     assert cluster.traffic.local_bytes == 2 * 8_000_000 and cluster.traffic.wire_bytes == 0
 
 
@@ -141,7 +160,9 @@ def test_sync_buckets_overlap_backward(latency):
 def test_sync_average_every_two_steps():
     n, steps, bandwidth, latency, opt = 4, 4, 1e8, 1e-4, 0.002
     overrides = ['sync.mode="average"', "sync.average_every=2"]  # momentum: 1 state float
-    config, setting = sync_setting(overrides, n, steps, bandwidth, latency, optimizer_s=opt)
+    config, setting = sync_setting(
+        overrides, n, steps, bandwidth, latency, optimizer_s=opt, flatten_bytes_per_s=1e9
+    )
     result = SyncSim(config, setting).run()
     nbytes = 4 * N_PARAMS * 2  # parameters and momentum
 
@@ -157,6 +178,56 @@ def test_sync_average_every_two_steps():
     expected = steps * (1e-3 * 128 / n + opt) + averages * average(nbytes) + average(4 * N_PARAMS)
     assert result.run_s == pytest.approx(expected, rel=REL)
     assert result.wire_bytes == 2 * (n - 1) * (averages * nbytes + 4 * N_PARAMS)
+    # examples/s as `scaleout train` stamps it: up to the last chunk's answer, before the
+    # final evaluation's and checkpoint's averaging
+    trained = expected - average(4 * N_PARAMS) - average(nbytes)
+    assert result.examples_per_s == pytest.approx(steps * 128 / trained, rel=REL)
+
+
+def test_ddp_buckets_match_torch():
+    """The buckets DDP itself builds (from its second step) for two MLPs."""
+    dist = pytest.importorskip("torch.distributed")
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from scaleout.comm import free_port
+    from scaleout.sim.sync import ddp_buckets
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        for sizes in ([784, 1024, 1024, 10], [784, 256, 10], [784, 2048, 2048, 2048, 10]):
+            layers = [torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:], strict=False)]
+            model = torch.nn.Sequential(*layers)
+            ddp = DistributedDataParallel(model)
+            for _ in range(2):
+                ddp(torch.randn(4, sizes[0])).sum().backward()
+            real = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+            assert ddp_buckets([p.numel() for p in model.parameters()]) == real
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_ddp_buckets_copy_and_overlap():
+    """Buckets from the tensor sizes; each is copied in, reduced, scaled and copied back
+    (priced as `average_tensors`' local work) while backward goes on."""
+    n, bandwidth, latency, flatten = 2, 1e9, 1e-4, 2e9
+    numels = [600_000, 150_000, 250_000]  # 1 MB < 1 MiB: the last two make the first bucket
+    config, setting = sync_setting(
+        [], n, 2, bandwidth, latency, flatten_bytes_per_s=flatten, parameter_numels=numels
+    )
+    result = SyncSim(config, setting).run()
+    assert result.extra["buckets"] == 2
+    compute = 1e-3 * 128 / n
+    forward, backward = compute / 3, compute * 2 / 3
+
+    def bucket(numel):  # copies, then the ring
+        return 4 * numel / flatten + 2 * (n - 1) * (latency + 4 * numel / n / bandwidth)
+
+    first_ready = forward + backward * 400_000 / N_PARAMS
+    expected = max(first_ready + bucket(400_000), forward + backward) + bucket(600_000)
+    assert result.step_s == pytest.approx(expected, rel=REL)
 
 
 def test_sync_8bit_gathers_codes():
@@ -262,3 +333,34 @@ def test_sandblaster_straggler_with_backups():
 def test_sandblaster_slow_replica_must_exist():
     with pytest.raises(ValueError, match="does not exist"):
         sandblaster(2, 4, backups=True, slow={2: 3.0})
+
+
+def test_allreduce_sizes_cover_what_sync_reduces():
+    from scaleout.sim.measure_calls import ALLREDUCE_SIZES, allreduce_sizes
+
+    sync = load_config("configs/mnist_sync.toml")  # momentum: one state float per weight
+    downpour = load_config("configs/mnist_downpour.toml")
+    numels = [784 * 1024, 1024, 1024 * 1024, 1024, 1024 * 10, 10]
+    cost = ModelCost(
+        num_parameters=sum(numels),
+        batch_size=128,
+        train_s={1: 1e-4},
+        eval_s=1e-6,
+        parameter_numels=numels,
+    )
+    sizes = allreduce_sizes([sync, downpour], {model_key(sync): cost})
+    expected = {*ALLREDUCE_SIZES, sum(numels), 2 * sum(numels), 1_059_850, 803_840}
+    assert sizes == sorted(expected)
+    assert allreduce_sizes([downpour], {model_key(downpour): cost}) == list(ALLREDUCE_SIZES)
+
+
+def test_a_measuring_process_that_dies_is_reported_at_once():
+    import sys
+    import time
+
+    from scaleout.sim.measuring import in_processes
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code"):
+        in_processes(sys.exit, [(3,)], 1)  # sys.exit(3, queue): a TypeError in the child
+    assert time.monotonic() - started < 60

@@ -108,7 +108,7 @@ def _simulated(case: Case, root: Path, calibration: Path) -> dict[str, Any]:
 @register_suite("simulate", "the simulator against held-out real runs on this box")
 def run() -> SuiteResult:
     from scaleout.api import load_config
-    from scaleout.sim.calibrate import calibrate, model_key
+    from scaleout.sim.calibrate import calibrate
 
     notes: list[str] = []
     rows: list[Row] = []
@@ -120,8 +120,7 @@ def run() -> SuiteResult:
             case: load_config(_configs_dir() / case.config, _overrides(case, root))
             for case in CASES
         }
-        unique = {model_key(c): c for c in configs.values()}  # one measurement per model
-        calibration = calibrate(list(unique.values()), say=lambda _: None)
+        calibration = calibrate(list(configs.values()), say=lambda _: None)
         cal_path = calibration.save(root / "calibration.json")
         for cost in calibration.models.values():
             slowdown = cost.slowdown(2)

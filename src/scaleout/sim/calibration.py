@@ -51,10 +51,19 @@ class ModelCost(_Model):
     optimizer_s: float = 0.0  # seconds per step of the config's optimizer on the whole model
     train_size: int = 0  # examples in the training and test sets
     test_size: int = 0
+    # the share of a step of `batch_size` that does not shrink with the batch (Python,
+    # autograd's graph, the loader's whole batch): a worker of sync steps on a slice
+    fixed_fraction: float = Field(default=0.0, ge=0, lt=1)
+    # trainable tensors' sizes in registration order (DDP's buckets); empty: unknown
+    parameter_numels: list[PositiveInt] = []
+    # seconds per step DDP adds besides the all-reduce (hooks, bucket copies); None: not
+    # measured (a model calibrated for another strategy)
+    ddp_s: float | None = Field(default=None, ge=0)
 
     def step_s(self, batch: int, threads: int) -> float:
         """Seconds of one training step of `batch` examples at `threads` threads."""
-        return batch * _at_threads(self.train_s, threads)
+        whole = self.batch_size * _at_threads(self.train_s, threads)
+        return whole * (self.fixed_fraction + (1 - self.fixed_fraction) * batch / self.batch_size)
 
     def slowdown(self, processes: float) -> float:
         """How much slower each of `processes` stepping at once runs than one alone (>= 1),

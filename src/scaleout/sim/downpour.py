@@ -115,6 +115,7 @@ class DownpourSim:
         self.driver = simpy.Resource(env, capacity=1)
         self.driver_busy = 0.0
         self.paused_s = 0.0  # the driver evaluating or checkpointing, in the steady part
+        self.trained_s = 0.0  # when the last chunk was answered
         self.step_ends: list[float] = []  # when each step's compute ended, in order
 
     def _state_bytes(self, shard: _Shard) -> int:
@@ -271,6 +272,8 @@ class DownpourSim:
                         self.step += proc.steps  # type: ignore[attr-defined]
                         self.examples += proc.steps * cfg.batch_size  # type: ignore[attr-defined]
                 self.times.append((env.now, self.examples))
+            if self.step >= total:  # the last metrics line's stamp, before evaluating
+                self.trained_s = env.now
             evaluating = self.step % cfg.eval_every == 0 or self.step >= total
             saving = self.step % cfg.checkpoint_every == 0 or self.step >= total
             paused = env.now  # no chunk is handed out until the driver is back
@@ -348,6 +351,7 @@ class DownpourSim:
             examples=examples,
             step_s=elapsed / total,
             steady_examples_per_s=steady,
+            trained_s=self.trained_s,
             extra={
                 "replicas": self.num_replicas,
                 "shards": len(self.shards),

@@ -18,7 +18,10 @@ def bottleneck(utilisation: dict[str, float]) -> str:
 @dataclass
 class Result:
     machines: int
-    examples_per_s: float  # the simulated run's examples over its time (no start-up)
+    # the run's examples over the time `scaleout train` stamps on its last metrics line:
+    # no start-up, and the last chunk's answer is the end (the final evaluation and
+    # checkpoint come after that stamp, and are in `run_s`)
+    examples_per_s: float
     step_s: float  # time per step of the run (a step: one minibatch of one replica/worker)
     run_s: float
     steps: int
@@ -42,10 +45,12 @@ class Result:
         step_s: float,
         steady_examples_per_s: float | None,
         extra: dict[str, Any],
+        trained_s: float,
         after: dict[str, float] | None = None,
     ) -> Result:
         """A finished simulation's result: the strategy's `roles` (utilisation by role),
-        then the busiest link and cores of any machine (and `after`), the traffic."""
+        then the busiest link and cores of any machine (and `after`), the traffic;
+        `trained_s`: when the last training chunk was answered."""
         elapsed, machines = cluster.env.now, cluster.machines
         utilisation = {
             **roles,
@@ -56,7 +61,7 @@ class Result:
         traffic = cluster.traffic
         return cls(
             machines=len(machines),
-            examples_per_s=examples / elapsed,
+            examples_per_s=examples / trained_s,
             steady_examples_per_s=steady_examples_per_s,
             step_s=step_s,
             run_s=elapsed,

@@ -156,6 +156,7 @@ class SandblasterSim:
         self.pass_s: list[float] = []
         self.backups = self.duplicates = 0
         self.first_done = 0.0  # when the first objective evaluation ended
+        self.trained_s = 0.0  # when the last chunk was answered
         self.portions_s = 0.0  # time spent handing out portions until the last winner
 
     # --- calls to the shards --------------------------------------------------------------
@@ -328,6 +329,7 @@ class SandblasterSim:
                 yield from self._iteration(iteration)
                 iteration += 1
             yield from self._commands(1)  # max_abs(g) for the chunk's fields
+            self.trained_s = self.env.now  # the metrics line's stamp, before evaluating
             machine = self.cluster.machines[COORDINATOR]
             if evaluating:  # x from the shards, then the test set on the driver
                 yield from self._fetch_x(COORDINATOR)
@@ -370,6 +372,7 @@ class SandblasterSim:
             examples=examples,
             step_s=after_first / total,
             steady_examples_per_s=total * self.batch_size / after_first,
+            trained_s=self.trained_s,
             extra={
                 "replicas": self.num_replicas,
                 "shards": len(self.shards),

@@ -80,7 +80,7 @@ class Setting:
 
 def model_cost(config: Any, calibration: Calibration) -> ModelCost:  # noqa: ANN401
     """The calibrated compute of `config`'s model (priced by FLOPs when not measured)."""
-    from scaleout.sim.calibrate import model_key
+    from scaleout.sim.measuring import model_key
 
     key = model_key(config)
     if key in calibration.models:

@@ -7,13 +7,15 @@ What runs, as the library runs it (`Lockstep` driver, `Worker.train_chunk`):
 - a step: every worker computes forward and backward on its slice of `train.batch_size`
   (`batch // workers` examples, `ModelCost.step_s` at `run.num_threads` threads; forward is
   the first third of it, backward the other `BACKWARD_FRACTION`);
-- mode "allreduce" (DDP): the flat gradient is cut into equal buckets of at most
-  `bucket_cap_mb` MiB (DDP's default 25; gradients come in reverse layer order, a bucket is
-  ready when its share of backward is done). Each bucket is all-reduced as soon as every
-  worker has it, one bucket after another, overlapping the rest of backward: a ring
-  (`ring_allreduce`) for fp32; with `[compress] codec` other than fp32 the library's DDP hook
-  instead encodes the bucket, all-gathers the packed codes (`ring_allgather`, bytes from
-  `scaleout.compress.payload.layout`) and decodes every worker's payload. The optimizer
+- mode "allreduce" (DDP): the gradient travels in DDP's buckets (`ddp_buckets`: from the
+  tensors' sizes, as DDP rebuilds them after its first step: 1 MiB first, then at most
+  `bucket_cap_mb` MiB, DDP's default 25; gradients come in reverse layer order, a bucket is
+  ready when its share of backward is done). Each bucket is copied in, reduced as soon as
+  every worker has it, one bucket after another, overlapping the rest of backward, then
+  scaled and copied back (DDP's local work: `ModelCost.ddp_s`, measured, shared by size): a
+  ring (`ring_allreduce`) for fp32; with `[compress] codec` other than fp32 the library's
+  DDP hook instead encodes the bucket, all-gathers the packed codes (`ring_allgather`, bytes
+  from `scaleout.compress.payload.layout`) and decodes every worker's payload. The optimizer
   step (`ModelCost.optimizer_s`) follows the last bucket;
 - mode "average": every worker steps with its own optimizer; every `average_every` steps one
   fp32 ring all-reduce averages parameters and optimizer state (`4 * params * (1 + state
@@ -26,10 +28,12 @@ Ring collectives: `ring_allreduce` is 2(N-1) steps, `ring_allgather` N-1; in eac
 every rank sends one chunk to the next rank at once, and a step ends when all its sends have
 ended. Between machines a send is `Cluster.send` (latency, then the chunk over the sender's
 tx and the receiver's rx); between two ranks on one machine it is priced by the calibrated
-gloo all-reduce of two processes (`Calibration.allreduce`, `fixed_s + bytes / bytes_per_s`
-for a whole two-rank all-reduce, which is two ring steps): `fixed_s / 2` of waiting and
-`chunk / bytes_per_s` of one core's work per step, so a two-rank ring on one machine takes
-exactly the calibrated time. The reduction's arithmetic between machines is not priced.
+gloo all-reduce of two processes (`Calibration.allreduce`: wall seconds and the
+core-seconds of both processes, measured at the sizes a config reduces): a two-rank
+all-reduce is two ring steps, so each rank's step takes half the calibrated seconds and
+keeps a quarter of its core-seconds busy, and a two-rank ring on one machine takes exactly
+the calibrated time on a quiet machine (longer when the cores are busy). The reduction's
+arithmetic between machines is not priced.
 
 Placement: `--machines 1` runs `sync.num_workers` workers on the one machine, sharing its
 cores (slowed as calibrated when several compute at once). On N > 1 machines there is one
@@ -55,6 +59,7 @@ from scaleout.sim.setting import Setting, model_cost
 
 BACKWARD_FRACTION = 2 / 3  # of a training step; forward (and loading) is the rest
 BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb (MiB)
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed's default, 1 MiB)
 STEADY_STEPS = 20  # simulated on N > 1 machines when the run itself is longer
 EXACT_RING = 64  # rings of more ranks simulate one representative send per step
 
@@ -141,10 +146,31 @@ def _send(
     cluster: Cluster, source: int, dest: int, nbytes: int, local: MessageCost | None, kind: str
 ) -> Process:
     yield from cluster.send(source, dest, nbytes, kind)
-    if source == dest:
+    if source == dest:  # half of a calibrated two-rank all-reduce of 2 * nbytes
         assert local is not None
-        yield cluster.env.timeout(local.fixed_s / 2)
-        yield from cluster.machines[source].work(nbytes / local.bytes_per_s)
+        whole = 2 * nbytes
+        seconds, cores = local.seconds(whole) / 2, local.cpu_s(whole) / 4  # per rank
+        yield from cluster.machines[source].call(seconds, cores)
+
+
+def ddp_buckets(
+    numels: Sequence[int],
+    cap_bytes: int = int(BUCKET_CAP_MB * 1024 * 1024),
+    first_bytes: int = FIRST_BUCKET_BYTES,
+) -> list[int]:
+    """Values per DDP bucket, in the order they are reduced, for fp32 tensors of `numels`
+    (registration order): DDP's rebuilt buckets (from the second step on) take tensors in
+    the order their gradients become ready (the reverse, for a feed-forward model) and
+    close a bucket once it holds at least `first_bytes`, then `cap_bytes`."""
+    buckets, size, limit = [], 0, first_bytes
+    for numel in reversed(numels):
+        size += numel
+        if 4 * size >= limit:
+            buckets.append(size)
+            size, limit = 0, cap_bytes
+    if size:
+        buckets.append(size)
+    return buckets
 
 
 # --- the driver's cadence --------------------------------------------------------------------
@@ -201,13 +227,17 @@ class SyncSim:
         self.codec = config.compress.codec
         self.block_size = config.compress.block_size or 0
         cap = int(bucket_cap_mb * 1024 * 1024)
-        num_buckets = max(1, math.ceil(4 * self.numel / cap))
-        base, extra = divmod(self.numel, num_buckets)
-        self.buckets = [base + (1 if b < extra else 0) for b in range(num_buckets)]
+        if self.cost.parameter_numels:
+            self.buckets = ddp_buckets(self.cost.parameter_numels, cap)
+        else:  # tensor sizes not calibrated: equal buckets of at most the cap
+            num_buckets = max(1, math.ceil(4 * self.numel / cap))
+            base, extra = divmod(self.numel, num_buckets)
+            self.buckets = [base + (1 if b < extra else 0) for b in range(num_buckets)]
         self.state_bytes = 4 * self.numel * (1 + STATE_BUFFERS[self.train.optimizer])
         self.compute_s = [0.0] * self.num_workers
         self.train_s = 0.0  # time spent in training chunks (no evaluation, no checkpoint)
         self.exposed: list[float] = []  # per step: from backward's end to the last bucket's
+        self.trained_s = 0.0
         self.step = 0
 
     # --- collectives ---------------------------------------------------------------------
@@ -215,8 +245,27 @@ class SyncSim:
     def _allreduce(self, nbytes: int) -> Process:
         yield from ring_allreduce(self.cluster, self.where, nbytes, self.cal)
 
+    def _bucket_copies(self, numel: int) -> Process:
+        """Half of DDP's local work on a bucket (gradients copied in; or the average
+        scaled and copied back): its share of the calibrated `ddp_s`, else priced as
+        `average_tensors`' local work."""
+        env, machines = self.env, self.cluster.machines
+        if self.cost.ddp_s is not None:
+            seconds = self.cost.ddp_s * numel / self.numel / 2
+        else:
+            seconds = 4 * numel / self.cal.flatten_bytes_per_s / 2
+        yield env.all_of([env.process(machines[m].work(seconds)) for m in self.where])
+
     def _reduce_bucket(self, numel: int) -> Process:
-        """One DDP bucket: a ring all-reduce (fp32) or the codec hook's all-gather."""
+        """One DDP bucket: copied in, a ring all-reduce (fp32) or the codec hook's
+        all-gather, scaled and copied back (one worker has no DDP)."""
+        if self.num_workers == 1:
+            return
+        yield from self._bucket_copies(numel)
+        yield from self._reduce_codes(numel)
+        yield from self._bucket_copies(numel)
+
+    def _reduce_codes(self, numel: int) -> Process:
         if self.codec == "fp32":
             yield from self._allreduce(4 * numel)
             return
@@ -311,6 +360,7 @@ class SyncSim:
     def _driver(self, total: int) -> Process:
         for steps, evaluating, saving in driver_chunks(total, self.train):
             yield from self._chunk(steps)
+            self.trained_s = self.env.now  # the metrics line's stamp, before evaluating
             if evaluating:
                 yield from self._evaluate()
             if saving:
@@ -346,6 +396,7 @@ class SyncSim:
             examples=examples,
             step_s=elapsed / total,
             steady_examples_per_s=examples / self.train_s if self.train_s > 0 else None,
+            trained_s=self.trained_s,
             extra={
                 "workers": self.num_workers,
                 "mode": self.opts.mode,

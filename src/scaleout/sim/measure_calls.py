@@ -1,0 +1,227 @@
+"""Calls between processes of this machine, measured: pulls and pushes through a real
+parameter-server shard on Ray, and a gloo all-reduce between two processes, by size, in
+wall time and in the core-seconds all processes spend on them (`MessageCost`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from scaleout.sim.calibration import MessageCost, ModelCost
+from scaleout.sim.measuring import fit_line, in_processes, model_key
+
+MESSAGE_SIZES = (65_536, 1_048_576, 4_194_304)  # values (float32)
+ALLREDUCE_SIZES = (16_384, 65_536, 262_144, 1_048_576, 4_194_304)
+ALLREDUCE_MIN_S = 0.5  # of all-reduces per size
+
+
+def busy_cores_s() -> float | None:
+    """Core-seconds all processes of this machine have used since boot (Linux's
+    /proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + ticks[4]  # idle, iowait (steal, a VM's lost time, is left out)
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_idle(seconds: float = 2.0) -> float:
+    """Cores this machine keeps busy while we wait (Ray's own processes, when it is up)."""
+    before = busy_cores_s()
+    time.sleep(seconds)
+    after = busy_cores_s()
+    return 0.0 if before is None or after is None else max(0.0, (after - before) / seconds)
+
+
+@dataclass
+class CallCost:
+    """One call's wall seconds (median), and core-seconds: all processes', the caller's."""
+
+    wall_s: float
+    cpu_s: float | None
+    caller_cpu_s: float
+    caller_wall_s: float | None = None  # until the caller went on, when `fn` says
+
+
+def measure_call(
+    fn: Callable[[], float | None], idle: float, min_s: float = 0.8, warmup: int = 20
+) -> CallCost:
+    """`fn()` repeated for at least `min_s` (the CPU counters tick at 100 Hz), after
+    `warmup` calls (Ray's object store is slower until its memory has been used once); the
+    machine's busy cores less `idle` cores of background. `fn` may return the seconds its
+    caller was held up, when that is less than the whole call."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    held: list[float] = []
+    busy, own, started = busy_cores_s(), time.process_time(), time.perf_counter()
+    while len(times) < 9 or time.perf_counter() - started < min_s:
+        begin = time.perf_counter()
+        caller = fn()
+        times.append(time.perf_counter() - begin)
+        if caller is not None:
+            held.append(caller)
+    elapsed, calls = time.perf_counter() - started, len(times)
+    caller_cpu = (time.process_time() - own) / calls
+    after = busy_cores_s()
+    total = None if busy is None or after is None else (after - busy - idle * elapsed) / calls
+    caller_wall = statistics.median(held) if held else None
+    return CallCost(statistics.median(times), total, caller_cpu, caller_wall)
+
+
+def message_cost(nbytes: Sequence[int], calls: Sequence[CallCost]) -> MessageCost:
+    """`fixed + bytes / rate` fitted to the wall times and to the core-seconds, and the
+    measured points themselves."""
+    walls = [c.wall_s for c in calls]
+    fixed, per_byte = fit_line(nbytes, walls)
+    fields: dict[str, Any] = {
+        "fixed_s": fixed,
+        "bytes_per_s": 1 / per_byte,
+        "measured_bytes": list(nbytes),
+        "measured_s": walls,
+    }
+    held = [c.caller_wall_s for c in calls]
+    if all(h is not None for h in held):
+        fields["measured_caller_s"] = [max(h, 1e-6) for h in held]  # type: ignore[type-var]
+    cpus = [c.cpu_s for c in calls]
+    if all(cpu is not None for cpu in cpus):
+        cores = [max(cpu, 1e-6) for cpu in cpus]  # type: ignore[type-var]
+        cpu_fixed, cpu_per_byte = fit_line(nbytes, cores)
+        fields.update(
+            cpu_fixed_s=cpu_fixed,
+            cpu_bytes_per_s=1 / cpu_per_byte,
+            caller_share=min(sum(c.caller_cpu_s for c in calls) / sum(cores), 1.0),
+            measured_core_s=cores,
+            measured_caller_core_s=[c.caller_cpu_s for c in calls],
+        )
+    return MessageCost(**fields)
+
+
+def shard_message_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
+    """Values per call to measure: `MESSAGE_SIZES` and every shard slice the configs send
+    (Downpour's fp32 slices; Sandblaster's float64 vectors as twice as many fp32 values)."""
+    from scaleout.ps.layout import shard_ranges
+
+    sizes = set(MESSAGE_SIZES)
+    for config in configs:
+        section = getattr(config, config.train.strategy, None)
+        num_shards = getattr(section, "num_shards", None)
+        if not num_shards:
+            continue
+        numel = models[model_key(config)].num_parameters
+        width = 2 if config.train.strategy == "sandblaster" else 1
+        for start, stop in shard_ranges(numel, min(num_shards, numel)):
+            sizes.add(width * (stop - start))
+    return sorted(sizes)
+
+
+def measure_shard_messages(
+    apply_ns: float, sizes: Sequence[int] = MESSAGE_SIZES
+) -> tuple[MessageCost, MessageCost, float]:
+    """(pull, push, idle cores) through a real one-shard `ParameterServer` on this machine's
+    Ray. A push is timed to its acknowledgement; the shard's SGD update (`apply_ns` per
+    value, priced on its own) is taken out."""
+    from scaleout.ps import ParameterServer
+    from scaleout.train.config import TrainSection
+
+    pulls, pushes, nbytes, idles = [], [], [], []
+    for size in sizes:
+        server = ParameterServer.create(torch.zeros(size), 1, TrainSection(optimizer="sgd"))
+        try:
+            out, grad = torch.empty(size), torch.randn(size)
+            server.pull_into(out)
+            idle = measure_idle()
+            idles.append(idle)
+
+            def pull(s: ParameterServer = server, o: torch.Tensor = out) -> None:
+                s.pull_into(o)  # the caller waits for all of it
+
+            pulls.append(measure_call(pull, idle))
+
+            def push(s: ParameterServer = server, g: torch.Tensor = grad) -> float:
+                started = time.perf_counter()
+                pushes, _ = s.push(g, [0])
+                held = time.perf_counter() - started  # the replica goes on from here
+                s.settle(pushes)
+                return held
+
+            call = measure_call(push, idle)
+            update = apply_ns * 1e-9 * size
+            call.wall_s = max(call.wall_s - update, 1e-6)
+            if call.cpu_s is not None:
+                call.cpu_s = max(call.cpu_s - update, 1e-6)
+            pushes.append(call)
+            nbytes.append(4 * size)
+        finally:
+            server.kill()
+    return message_cost(nbytes, pulls), message_cost(nbytes, pushes), statistics.median(idles)
+
+
+def _allreduce_worker(rank: int, port: int, sizes: Sequence[int], out: Any) -> None:  # noqa: ANN401
+    """One of two gloo ranks: per size, the mean wall seconds of an all-reduce and this
+    process's CPU seconds per all-reduce (gloo's threads included)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        walls, cpus = [], []
+        for size in sizes:
+            x = torch.randn(size)
+            for _ in range(3):
+                dist.all_reduce(x)
+            began = time.perf_counter()
+            for _ in range(3):
+                dist.all_reduce(x)
+            each = max((time.perf_counter() - began) / 3, 1e-6)
+            count = torch.tensor([max(9, math.ceil(ALLREDUCE_MIN_S / each))])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)  # both ranks make as many
+            calls = int(count.item())
+            own, started = time.process_time(), time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(x)
+            # means, not medians: gloo's threads poll, so a median call's wall time against
+            # the mean CPU would claim more cores than the machine has
+            walls.append((time.perf_counter() - started) / calls)
+            cpus.append((time.process_time() - own) / calls)
+        out.put((rank, walls, cpus))
+    finally:
+        dist.destroy_process_group()
+
+
+def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
+    """Values per all-reduce to measure: `ALLREDUCE_SIZES`, and what the configs' sync runs
+    reduce (the whole gradient, DDP's buckets, the averaged weights and optimizer state)."""
+    from scaleout.nn.optim import STATE_BUFFERS
+    from scaleout.sim.sync import ddp_buckets
+
+    sizes = set(ALLREDUCE_SIZES)
+    for config in configs:
+        if config.train.strategy != "sync":
+            continue
+        cost = models[model_key(config)]
+        numel = cost.num_parameters
+        sizes.update({numel, numel * (1 + STATE_BUFFERS[config.train.optimizer])})
+        sizes.update(ddp_buckets(cost.parameter_numels or [numel]))
+    return sorted(sizes)
+
+
+def measure_allreduce(sizes: Sequence[int] = ALLREDUCE_SIZES) -> MessageCost:
+    """A gloo all-reduce between two processes of this machine, by tensor bytes: wall time,
+    and the core-seconds of both processes (the caller's share: one rank's)."""
+    from scaleout.comm import free_port
+
+    port = free_port()
+    answers = in_processes(_allreduce_worker, [(rank, port, list(sizes)) for rank in range(2)], 2)
+    (_, walls, cpus0), (_, _, cpus1) = sorted(answers, key=lambda a: a[0])
+    calls = [CallCost(wall, c0 + c1, c0) for wall, c0, c1 in zip(walls, cpus0, cpus1, strict=True)]
+    return message_cost([4 * s for s in sizes], calls)

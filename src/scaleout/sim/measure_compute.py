@@ -1,0 +1,212 @@
+"""A model's compute on this machine, measured with the library's own code: a training
+step per example at 1..all threads, one 1-thread process among several stepping at once,
+the share of a step that does not shrink with the batch, DDP's own cost, evaluation, the
+loader and the optimizer's step (`ModelCost`)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from scaleout.sim.calibration import ModelCost
+from scaleout.sim.measuring import in_processes, timed
+
+MAX_FIXED_FRACTION = 0.9
+THREAD_ROUNDS = 5
+
+
+class _Stepper:
+    """Training steps of a config's model as a worker runs them (the config's loader, the
+    objective's forward and loss, backward), without an optimizer or communication."""
+
+    def __init__(self, config: Any) -> None:  # noqa: ANN401 - a RunConfig
+        from scaleout.api import build_job
+        from scaleout.data import make_loader
+        from scaleout.train.objective import objective_for
+
+        self.job = job = build_job(config)
+        torch.manual_seed(job.run.seed)
+        train_set, self.test_set = job.build_data()
+        self.model = job.build_model(train_set)
+        self.train_size, self.test_size = len(train_set), len(self.test_set)
+        self.objective = objective_for(self.model, job.loss_fn(), self.test_set)
+        self.batch = job.train.batch_size
+        self.loader = make_loader(
+            train_set, self.batch, seed=0, drop_last=len(train_set) >= self.batch
+        )
+        self._batches = iter(self.loader)
+
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._batches = iter(self.loader)
+            return next(self._batches)
+
+    def step(self, parts: int = 1) -> None:
+        """One step on the first `1 / parts` of the next minibatch (a sync worker's slice of
+        it: the loader still makes the whole minibatch)."""
+        batch = self.next_batch()
+        if parts > 1:
+            batch = tuple(t[: len(t) // parts] for t in batch)
+        loss, _ = self.objective.step(self.model, self.model, batch, 0)
+        loss.backward()
+
+
+def fixed_fraction(stepper: _Stepper, steps: int, rounds: int = 3) -> float:
+    """The share of a 1-thread step that does not shrink with the batch: steps on the whole
+    minibatch and on half of it, alternately (`t(B) = a + c B`; `a = 2 t(B/2) - t(B)`)."""
+    whole, half = [], []
+    for _ in range(rounds):
+        whole.append(timed(stepper.step, repeats=steps, warmup=1))
+        half.append(timed(lambda: stepper.step(2), repeats=steps, warmup=1))
+    full = statistics.median(whole)
+    return min(max(2 * statistics.median(half) - full, 0.0) / full, MAX_FIXED_FRACTION)
+
+
+def _alone_and_together(
+    raw: dict,
+    rank: int,
+    steps: int,
+    rounds: int,
+    barrier: Any,  # noqa: ANN401
+    out: Any,  # noqa: ANN401
+) -> None:
+    """One of k processes (1 thread each): rounds of rank 0 stepping alone, then all k
+    stepping at once; rank 0 answers its median seconds per step alone and together."""
+    from scaleout.api import config_from_dict
+
+    torch.set_num_threads(1)
+    stepper = _Stepper(config_from_dict(raw))
+    stepper.step()
+    alone, together = [], []
+    for _ in range(rounds):
+        barrier.wait()
+        if rank == 0:
+            alone.append(timed(stepper.step, repeats=steps, warmup=1))
+        barrier.wait()
+        together.append(timed(stepper.step, repeats=steps, warmup=1))
+    if rank == 0:
+        out.put((statistics.median(alone), statistics.median(together)))
+
+
+def measure_concurrent(
+    config: Any,  # noqa: ANN401
+    processes: int,
+    steps: int,
+    rounds: int = 5,
+) -> tuple[float, float]:
+    """Seconds per example of one 1-thread process's step alone and while `processes` step
+    at once (memory bandwidth and caches are shared: the machine's real ceiling). Both in
+    the same processes, alternately: a process's memory layout alone moves its step by
+    several percent on this box, which is not the slow-down sought."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(processes)
+    raw = config.model_dump(mode="json")
+    args = [(raw, rank, steps, rounds, barrier) for rank in range(processes)]
+    alone, together = in_processes(_alone_and_together, args, 1)[0]
+    return alone / config.train.batch_size, together / config.train.batch_size
+
+
+def _ddp_overhead(raw: dict, port: int, rounds: int, out: Any) -> None:  # noqa: ANN401
+    """In a one-process gloo group: a step of one example through DDP less the same step
+    without it, alternately (`rounds`); the median difference."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from scaleout.api import config_from_dict
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        stepper = _Stepper(config_from_dict(raw))
+        model, objective = stepper.model, stepper.objective
+        network = DistributedDataParallel(model)
+        batch = tuple(t[:1] for t in stepper.next_batch())
+
+        def step(through: torch.nn.Module) -> None:
+            loss, _ = objective.step(model, through, batch, 0)
+            loss.backward()
+
+        differences = []
+        for _ in range(rounds):
+            plain = timed(lambda: step(model), repeats=20, warmup=2)
+            wrapped = timed(lambda: step(network), repeats=20, warmup=2)
+            differences.append(wrapped - plain)
+        out.put(max(statistics.median(differences), 0.0))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ddp(config: Any, rounds: int = 7) -> float:  # noqa: ANN401
+    """Seconds per step DDP adds to a config's model besides the all-reduce itself: its
+    hooks, copying gradients into buckets, scaling and copying them back (measured on one
+    example in a one-process group, where the all-reduce is a local copy)."""
+    from scaleout.comm import free_port
+
+    args = [(config.model_dump(mode="json"), free_port(), rounds)]
+    return in_processes(_ddp_overhead, args, 1)[0]
+
+
+def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noqa: ANN401
+    """A training step per example of `config`'s model at 1..`cores` threads, and of one
+    1-thread process among 1..`cores` stepping at once; DDP's own cost for a sync config."""
+    from scaleout.info import describe_model
+    from scaleout.nn.optim import build_optimizer
+
+    stepper = _Stepper(config)
+    model, batch = stepper.model, stepper.batch
+    saved = torch.get_num_threads()
+    try:
+        model.train()
+        # rounds over the thread counts: this box's step drifts by 10-20% within seconds,
+        # so every count is sampled across the same span
+        samples: dict[int, list[float]] = {t: [] for t in range(1, cores + 1)}
+        for _ in range(THREAD_ROUNDS):
+            for threads in samples:
+                torch.set_num_threads(threads)
+                samples[threads].append(timed(stepper.step, repeats=steps // 2, warmup=1))
+        train_s = {t: statistics.median(times) / batch for t, times in samples.items()}
+        torch.set_num_threads(1)
+        fixed = fixed_fraction(stepper, steps) if batch >= 2 else 0.0
+        load_s = timed(stepper.next_batch, repeats=steps) / batch
+        optimizer = build_optimizer(model.parameters(), stepper.job.train)
+        optimizer_s = timed(optimizer.step, repeats=steps)
+        test_set, cfg = stepper.test_set, stepper.job.train
+        device = torch.device("cpu")
+        evaluate = lambda: stepper.objective.evaluate(  # noqa: E731
+            model, test_set, cfg.eval_batch_size, device, 0
+        )
+        eval_s = timed(evaluate, repeats=3) / len(test_set)
+    finally:
+        torch.set_num_threads(saved)
+    concurrent_s: dict[int, float] = {}
+    for processes in range(2, cores + 1):
+        alone, concurrent_s[processes] = measure_concurrent(config, processes, steps)
+        concurrent_s.setdefault(1, alone)
+    concurrent_s = dict(sorted(concurrent_s.items()))
+    try:
+        flops = describe_model(config).forward_flops
+    except Exception:  # a model the FLOP counter cannot trace: its measured time stands
+        flops = 0
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    ddp_s = measure_ddp(config) if config.train.strategy == "sync" else None
+    return ModelCost(
+        ddp_s=ddp_s,
+        num_parameters=sum(numels),
+        parameter_numels=numels,
+        fixed_fraction=fixed,
+        forward_flops=flops,
+        batch_size=batch,
+        train_s=train_s,
+        concurrent_s=concurrent_s,
+        eval_s=eval_s,
+        load_s=load_s,
+        optimizer_s=optimizer_s,
+        train_size=stepper.train_size,
+        test_size=stepper.test_size,
+    )

@@ -1,0 +1,77 @@
+"""Measuring on this machine: medians of repeated calls, a fitted line, fresh processes.
+
+The pieces every calibration step uses (`scaleout.sim.calibrate`,
+`scaleout.sim.measure_compute`, `scaleout.sim.measure_calls`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from queue import Empty
+from typing import Any
+
+START_AND_STEP_S = 300.0  # a measuring process that has not answered by then failed
+
+
+def timed(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+    """The median seconds of `fn()` over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least squares `y = a + b x`; (a, b) with a >= 0 and b > 0."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
+    slope = max(slope, 1e-15)
+    return max(mean_y - slope * mean_x, 0.0), slope
+
+
+def in_processes(target: Callable[..., None], args: list[tuple], answers: int) -> list[Any]:
+    """Run `target(*args[i], queue)` in fresh processes (spawned: no state of ours); the
+    first `answers` values they put on the queue."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, queue)) for a in args]
+    for proc in procs:
+        proc.start()
+    try:
+        got: list[Any] = []
+        deadline = time.monotonic() + START_AND_STEP_S
+        while len(got) < answers:
+            try:
+                got.append(queue.get(timeout=1.0))
+                continue
+            except Empty:
+                pass
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:  # a child that died answers nothing: say so now, not at the deadline
+                raise RuntimeError(f"a measuring process exited with code {failed[0]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"measuring processes gave no answer in {START_AND_STEP_S} s")
+        return got
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def model_key(config: Any) -> str:  # noqa: ANN401 - a RunConfig
+    """What identifies a model's compute: the model section and the data it reads."""
+    model = config.model.model_dump(mode="json") if config.model is not None else None
+    data = config.data.model_dump(mode="json") if config.data is not None else None
+    name = data.get("dataset") if isinstance(data, dict) else None
+    return f"{name}:{model}"
