@@ -35,6 +35,17 @@ def test_processor_sharing_closed_form():
     assert cpu.utilisation() == pytest.approx(1.0)
 
 
+def test_a_job_standing_for_copies_takes_their_shares():
+    """A 1 s job standing for 3 beside a plain 1 s job on one unit: four shares until
+    both end at 4 s, as four 1 s jobs would."""
+    env = simpy.Environment()
+    link = Shared(env, 1.0, "link")
+    ends = [link.start(1.0, copies=3.0), link.start(1.0)]
+    env.run()
+    assert all(end.processed for end in ends) and env.now == pytest.approx(4.0)
+    assert link.utilisation() == pytest.approx(1.0)
+
+
 def test_threads_share_cores_and_a_transfer_pays_both_ends():
     cluster = Cluster(2, cores=2, link=Link(bandwidth=1e6, latency=0.01))
     env = cluster.env
@@ -230,6 +241,43 @@ def test_replicas_on_machines_cross_the_link():
     assert result.extra["replicas"] == 2
     assert result.wire_bytes > 0
     assert 0 < result.utilisation["network link"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("step_s", "bandwidth", "bottleneck"),
+    [
+        (0.010, 125e6, "shard queue"),
+        (0.050, 12.5e6, "network link"),
+        (0.2, 125e6, "replica compute"),
+    ],
+)
+def test_represented_replicas_match_simulating_every_one(
+    monkeypatch, step_s, bandwidth, bottleneck
+):
+    """128 machines simulated through 16 representatives (each standing for 8) against all
+    128, the shards on machines of their own in both: the same throughput, bottleneck and
+    bytes, within a few percent. (Evaluation pauses are left out: the driver waits for
+    replica 0's chunk, which a representative's coarser steps move.)"""
+    import scaleout.sim.downpour as downpour
+
+    cfg = config(num_shards=4, n_fetch=3, n_push=3)
+    cfg.train.eval_every = cfg.train.checkpoint_every = 100_000
+    cal = calibration(cfg, step_s=step_s)
+    setting = Setting(cal, machines=128, link=Link(bandwidth, 50e-6), steps=128 * 60)
+    results = {}
+    for represented in (16, 1000):
+        monkeypatch.setattr(downpour, "REPRESENTED", represented)
+        results[represented] = DownpourSim(cfg, setting, own_shard_machines=True).run()
+    few, every = results[16], results[1000]
+    assert few.extra["simulated_replicas"] == 16 and every.extra["simulated_replicas"] == 128
+    assert few.machines == every.machines == 128
+    assert every.bottleneck == few.bottleneck == bottleneck
+    assert few.steady_examples_per_s == pytest.approx(every.steady_examples_per_s, rel=0.05)
+    assert few.examples_per_s == pytest.approx(every.examples_per_s, rel=0.05)
+    assert few.wire_bytes == pytest.approx(every.wire_bytes, rel=0.05)
+    assert few.extra["pushes"] == pytest.approx(every.extra["pushes"], rel=0.05)
+    for role in ("shard queue", "network link"):
+        assert few.utilisation[role] == pytest.approx(every.utilisation[role], abs=0.05)
 
 
 @pytest.mark.usefixtures("ray_session")

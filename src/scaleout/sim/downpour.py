@@ -27,12 +27,24 @@ Placement: `--machines 1` puts every replica and shard on one machine, as `scale
 does here. On N > 1 machines each machine runs one replica (`run.num_threads` threads),
 so there are N replicas, and shard i sits on machine i mod N (Ray spreads them), where it
 shares the cores and the link with that machine's replica.
+
+Beyond `REPRESENTED` replicas (100 or 1000 machines) the run is simulated through
+`REPRESENTED` representative replicas, each standing for `weight = N / REPRESENTED` alike
+ones: after the warm start every transfer on a shard's link counts as `weight` flows in
+its sharing, every call a shard's actor or the driver's thread serves keeps it busy
+`weight` times as long (the caller goes on after its own part), and each simulated step
+counts `weight` steps of the run (cadences are in the run's steps). The shards then have
+machines of their own (at 1000 machines 64 shards would share theirs with 6% of the
+replicas), and a one-off call to a shard (an evaluation's fetch) is weighted as the
+represented ones are. Simulating every replica would take hours at 1000 machines;
+`tests/test_sim_downpour.py` holds the two together where both run.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import simpy
@@ -46,7 +58,8 @@ from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 
 CHUNK_STEPS = 20  # scaleout.strategies.downpour.strategy.CHUNK_STEPS
-STEADY_STEPS_PER_REPLICA = 30  # simulated when the run itself is longer than needed
+STEADY_STEPS_PER_REPLICA = 120  # simulated (6 chunks) when the run itself is longer
+REPRESENTED = 64  # replicas simulated at most; more are represented by these
 
 
 @dataclass
@@ -74,7 +87,14 @@ class _Replica:
 class DownpourSim:
     """One simulated Downpour run of `config` (a `RunConfig`) in `setting`."""
 
-    def __init__(self, config: Any, setting: Setting) -> None:  # noqa: ANN401
+    def __init__(
+        self,
+        config: Any,  # noqa: ANN401
+        setting: Setting,
+        own_shard_machines: bool = False,
+    ) -> None:
+        """`own_shard_machines`: on N > 1 machines, the shards on machines of their own
+        (N + shards of them), as they are whenever replicas are represented."""
         from scaleout.strategies.downpour import DownpourSection
 
         self.config, self.setting = config, setting
@@ -85,19 +105,29 @@ class DownpourSim:
         self.threads = config.run.num_threads or 1
         machines = setting.machines
         self.num_replicas = self.opts.num_replicas if machines == 1 else machines
-        self.cluster = setting.cluster()
+        self.numel = self.cost.num_parameters
+        ranges = shard_ranges(self.numel, min(self.opts.num_shards, self.numel))
+        simulated = min(self.num_replicas, REPRESENTED) if machines > 1 else self.num_replicas
+        self.weight = self.num_replicas / simulated  # run's replicas per simulated one
+        if machines > 1 and (self.weight > 1 or own_shard_machines):
+            self.cluster = replace(setting, machines=simulated + len(ranges)).cluster()
+            shard_machines = [simulated + i for i in range(len(ranges))]
+        else:
+            self.cluster = setting.cluster()
+            shard_machines = [i % machines for i in range(len(ranges))]
         for machine in self.cluster.machines:
             machine.cores.slowdown = self.cost.slowdown
         env = self.env = self.cluster.env
-        self.numel = self.cost.num_parameters
-        ranges = shard_ranges(self.numel, min(self.opts.num_shards, self.numel))
         self.shards = [
-            _Shard(i, i % machines, stop - start, simpy.Resource(env, capacity=1))
+            _Shard(i, shard_machines[i], stop - start, simpy.Resource(env, capacity=1))
             for i, (start, stop) in enumerate(ranges)
         ]
         self.replicas = [
-            _Replica(r, r % machines, [0] * len(self.shards)) for r in range(self.num_replicas)
+            _Replica(r, r % machines, [0] * len(self.shards)) for r in range(simulated)
         ]
+        self.scale = 1.0  # the run's steps per simulated step: `weight` after the warm start
+        self.warm_counts: tuple[int, int, int, dict[str, int]] = (0, 0, 0, {})
+        self.warm_calls = (0, 0)  # pushes, pulls by the end of the warm start
         compress = config.compress
         self.codec = compress.codec
         self.push_bytes = [
@@ -126,11 +156,26 @@ class DownpourSim:
 
     def _serve(self, shard: _Shard, work: Process) -> Process:
         """`work` in the shard's actor, after the calls queued before (one at a time)."""
-        with shard.queue.request() as turn:
-            yield turn
-            started = self.env.now
-            yield from work
-            shard.busy += self.env.now - started
+        turn = shard.queue.request()
+        yield turn
+        started = self.env.now
+        yield from work
+        own = self.env.now - started
+        shard.busy += own * self.scale
+        self._release(shard.queue, turn, own)
+
+    def _release(self, queue: simpy.Resource, turn: simpy.Event, own: float) -> None:
+        """Free a one-at-a-time actor after a call that took `own` seconds; with represented
+        replicas it serves theirs too: it stays busy `(weight - 1) * own` longer, while the
+        caller goes on."""
+        if self.scale > 1:
+            self.env.process(self._hold(queue, turn, (self.scale - 1) * own))
+        else:
+            queue.release(turn)
+
+    def _hold(self, queue: simpy.Resource, turn: simpy.Event, seconds: float) -> Process:
+        yield self.env.timeout(seconds)
+        queue.release(turn)
 
     def _call(self, machine: int, cost: MessageCost, nbytes: int, caller: bool) -> Process:
         """The caller's or the callee's side of one call (its share of the wall time and of
@@ -160,7 +205,7 @@ class DownpourSim:
         )
         yield from self._call(shard.machine, self.cal.push, nbytes, caller=False)
         yield from self.cluster.machines[shard.machine].work(seconds)
-        self.staleness.append(shard.version - base_version)
+        self.staleness.append(round((shard.version - base_version) * self.scale))
         shard.version += 1
         shard.updates += 1
         every = self.opts.shard_checkpoint_every
@@ -192,11 +237,13 @@ class DownpourSim:
         """The driver's one thread (on machine 0) makes or takes one call of a chunk: hands
         it out, or takes its answer; replicas whose chunks end together queue for it."""
         (wall, cpu), _ = self.cal.pull.sides(0)
-        with self.driver.request() as turn:
-            yield turn
-            started = self.env.now
-            yield from self.cluster.machines[0].call(wall, cpu)
-            self.driver_busy += self.env.now - started
+        turn = self.driver.request()
+        yield turn
+        started = self.env.now
+        yield from self.cluster.machines[0].call(wall, cpu)
+        own = self.env.now - started
+        self.driver_busy += own * self.scale  # it serves the represented replicas too
+        self._release(self.driver, turn, own)
 
     def _chunk(self, replica: _Replica, steps: int) -> Process:
         """`train_chunk(steps)` on the replica's actor."""
@@ -241,14 +288,16 @@ class DownpourSim:
     # --- the driver ------------------------------------------------------------------------
 
     def _driver(self, total: int) -> Process:
+        """Steps here are the run's: a simulated step counts `self.scale` of them."""
         env, cfg, opts = self.env, self.train, self.opts
         in_flight: dict[int, simpy.Process] = {}
-        assigned = 0
+        assigned: float = 0
         while self.step < total:
+            before = self.step
             warm = self.step < opts.warmstart_steps
             if not warm and self.steady_since is None:
                 self._mark()
-            active = [0] if warm else list(range(self.num_replicas))
+            active = [0] if warm else list(range(len(self.replicas)))
             limit = total
             if len(active) == 1:  # one replica stops exactly at evaluations and checkpoints
                 limit = min(
@@ -260,11 +309,12 @@ class DownpourSim:
             while self.step < target:
                 for r in active:
                     end = target if assigned < target else limit
-                    steps = min(cfg.log_every, CHUNK_STEPS, end - assigned)
+                    left = math.ceil((end - assigned) / self.scale - 1e-9)
+                    steps = min(cfg.log_every, CHUNK_STEPS, left)
                     if steps > 0 and r not in in_flight:
                         in_flight[r] = env.process(self._chunk(self.replicas[r], steps))
-                        in_flight[r].steps = steps  # type: ignore[attr-defined]
-                        assigned += steps
+                        in_flight[r].steps = steps * self.scale  # type: ignore[attr-defined]
+                        assigned += steps * self.scale
                 done = yield env.any_of(list(in_flight.values()))
                 for r, proc in list(in_flight.items()):
                     if proc in done:
@@ -274,8 +324,11 @@ class DownpourSim:
                 self.times.append((env.now, self.examples))
             if self.step >= total:  # the last metrics line's stamp, before evaluating
                 self.trained_s = env.now
-            evaluating = self.step % cfg.eval_every == 0 or self.step >= total
-            saving = self.step % cfg.checkpoint_every == 0 or self.step >= total
+
+            def crossed(every: int, before: float = before) -> bool:
+                return self.step // every > before // every or self.step >= total
+
+            evaluating, saving = crossed(cfg.eval_every), crossed(cfg.checkpoint_every)
             paused = env.now  # no chunk is handed out until the driver is back
             if (evaluating or saving) and 0 in in_flight:
                 yield in_flight[0]  # the call waits behind replica 0's chunk (counted next)
@@ -298,12 +351,36 @@ class DownpourSim:
         """Utilisation from here on: the warm start's one replica would hide the bottleneck
         of the steady part."""
         self.steady_since = self.env.now
+        if self.weight > 1:  # the shards serve the represented replicas too
+            self.scale = self.weight
+            traffic = self.cluster.traffic
+            self.warm_counts = (
+                traffic.wire_bytes,
+                traffic.local_bytes,
+                traffic.messages,
+                dict(traffic.by_kind),
+            )
+            self.warm_calls = (self.pushes, self.pulls)
+            for shard in self.shards:
+                self.cluster.machines[shard.machine].flows = self.weight
         self.cluster.mark()
         for shard in self.shards:
             shard.busy = 0.0
         for replica in self.replicas:
             replica.compute_s = 0.0
         self.driver_busy = 0.0
+
+    def _count_represented(self) -> None:
+        """Traffic and calls since the warm start, times `weight`."""
+        traffic, (wire, local, messages, by_kind) = self.cluster.traffic, self.warm_counts
+        extra = self.weight - 1
+        traffic.wire_bytes += round(extra * (traffic.wire_bytes - wire))
+        traffic.local_bytes += round(extra * (traffic.local_bytes - local))
+        traffic.messages += round(extra * (traffic.messages - messages))
+        for kind, nbytes in traffic.by_kind.items():
+            traffic.by_kind[kind] = nbytes + round(extra * (nbytes - by_kind.get(kind, 0)))
+        self.pushes += round(extra * (self.pushes - self.warm_calls[0]))
+        self.pulls += round(extra * (self.pulls - self.warm_calls[1]))
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -327,14 +404,14 @@ class DownpourSim:
 
     def _result(self, total: int) -> Result:
         elapsed = self.env.now
-        examples = total * self.train.batch_size
+        examples = self.examples
         # The steady rate: steps as they end, in the middle of the run after the warm start
         # (without the replicas' first fetches all at once, or the last chunks ending alone).
         ends, first = self.step_ends, self.opts.warmstart_steps
         low, high = first + (len(ends) - first) // 5, first + 9 * (len(ends) - first) // 10
         steady = None
         if high < len(ends) and ends[high] > ends[low]:
-            steady = (high - low) * self.train.batch_size / (ends[high] - ends[low])
+            steady = (high - low) * self.scale * self.train.batch_size / (ends[high] - ends[low])
         span = elapsed - (self.steady_since or 0.0)
         replica_busy = [r.compute_s / span for r in self.replicas if r.steps] if span else []
         roles = {
@@ -344,6 +421,8 @@ class DownpourSim:
             "evaluation pauses": self.paused_s / span if span else 0.0,
         }
         stale = self.staleness or [0]
+        if self.weight > 1:  # what the represented replicas sent too
+            self._count_represented()
         return Result.of_run(
             self.cluster,
             roles,
@@ -352,8 +431,10 @@ class DownpourSim:
             step_s=elapsed / total,
             steady_examples_per_s=steady,
             trained_s=self.trained_s,
+            num_machines=self.setting.machines,
             extra={
                 "replicas": self.num_replicas,
+                "simulated_replicas": len(self.replicas),
                 "shards": len(self.shards),
                 "pushes": self.pushes,
                 "pulls": self.pulls,

@@ -68,13 +68,17 @@ class Shared:
         if work > EPS:
             yield self.start(work, demand, contended)
 
-    def start(self, work: float, demand: float = 1.0, contended: bool = False) -> simpy.Event:
-        """`run` without a process: the event that triggers when the work is done."""
+    def start(
+        self, work: float, demand: float = 1.0, contended: bool = False, copies: float = 1.0
+    ) -> simpy.Event:
+        """`run` without a process: the event that triggers when the work is done.
+        `copies`: the job stands for that many alike jobs started with it (they take their
+        shares of the units and end with it: a represented replica's flow)."""
         done = self.env.event()
         if work <= EPS:
             return done.succeed()
         self._advance()
-        kind, units = int(contended), min(float(demand), self.capacity)
+        kind, units = int(contended), min(float(demand), self.capacity) * copies
         self._order += 1
         heapq.heappush(self._heaps[kind], (self._clock[kind] + work, self._order, units, done))
         self._demand[kind] += units
@@ -189,6 +193,7 @@ class Machine:
             self.cores = Shared(env, cores, f"machine {index} cores")
         self.tx = Shared(env, 1.0, f"machine {index} tx")
         self.rx = Shared(env, 1.0, f"machine {index} rx")
+        self.flows = 1.0  # flows each of its transfers stands for (represented replicas)
 
     def compute(self, seconds: float, threads: float = 1.0) -> Process:
         """A model's `seconds` of work at `threads` threads (seconds when it has the cores
@@ -248,8 +253,8 @@ class Cluster:
         if sender.link.latency > 0:
             yield env.timeout(sender.link.latency)
         both = [
-            sender.tx.start(nbytes / sender.link.bandwidth),
-            receiver.rx.start(nbytes / receiver.link.bandwidth),
+            sender.tx.start(nbytes / sender.link.bandwidth, copies=sender.flows),
+            receiver.rx.start(nbytes / receiver.link.bandwidth, copies=receiver.flows),
         ]
         yield env.all_of(both)
 

@@ -47,10 +47,12 @@ class Result:
         extra: dict[str, Any],
         trained_s: float,
         after: dict[str, float] | None = None,
+        num_machines: int | None = None,
     ) -> Result:
         """A finished simulation's result: the strategy's `roles` (utilisation by role),
         then the busiest link and cores of any machine (and `after`), the traffic;
-        `trained_s`: when the last training chunk was answered."""
+        `trained_s`: when the last training chunk was answered; `num_machines`: the run's,
+        when the simulation used other machines (representatives of them)."""
         elapsed, machines = cluster.env.now, cluster.machines
         utilisation = {
             **roles,
@@ -60,7 +62,7 @@ class Result:
         }
         traffic = cluster.traffic
         return cls(
-            machines=len(machines),
+            machines=num_machines or len(machines),
             examples_per_s=examples / trained_s,
             steady_examples_per_s=steady_examples_per_s,
             step_s=step_s,
