@@ -331,3 +331,5 @@ def test_cli_simulate_writes_rows_and_refuses_bad_input(tmp_path):
     assert main([*args, "--machines", "0"]) == 2
     assert main([*args, "--link", "fast"]) == 2
     assert main(["simulate", path, "--calibration", str(tmp_path / "none.json")]) == 2
+    bad = ["calibrate", path, "--set", "model.sizes=", "--out", str(tmp_path / "c.json")]
+    assert main(bad) == 2 and not (tmp_path / "c.json").exists()  # refused before measuring

@@ -4,7 +4,7 @@
     scaleout info CONFIG [--set key=value ...]
     scaleout report RUN_DIR
     scaleout bench SUITE | --list
-    scaleout calibrate [CONFIG ...] [--out FILE]
+    scaleout calibrate [CONFIG ...] [--out FILE] [--set key=value ...]
     scaleout simulate CONFIG [--machines 1,2,...] [--link 1gbit] [--sweep key=v1,v2] ...
 
 A user error (bad config, missing data, corrupted checkpoint) prints one line per problem
@@ -133,7 +133,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from scaleout.api import load_config
     from scaleout.sim.calibrate import calibrate
 
-    configs = [load_config(path) for path in args.configs or [DEMO_CONFIG]]
+    configs = [load_config(path, list(args.set)) for path in args.configs or [DEMO_CONFIG]]
     calibration = calibrate(configs, say=lambda line: err.print(f"measuring {line}"))
     path = calibration.save(args.out)
     out.print(f"wrote {path}")
@@ -262,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument(
         "--out", type=Path, default=Path("results/calibration.json"), help="where to write it"
+    )
+    calibrate.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="as `scaleout train`, for every config (e.g. model.sizes=[784,256,10])",
     )
     calibrate.set_defaults(handler=_calibrate)
 
