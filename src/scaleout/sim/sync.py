@@ -245,16 +245,20 @@ class SyncSim:
     def _allreduce(self, nbytes: int) -> Process:
         yield from ring_allreduce(self.cluster, self.where, nbytes, self.cal)
 
+    def _on_every_worker(self, seconds: float) -> Process:
+        """`seconds` of one thread's work on every worker at once, until all are done."""
+        env, machines = self.env, self.cluster.machines
+        yield env.all_of([env.process(machines[m].work(seconds)) for m in self.where])
+
     def _bucket_copies(self, numel: int) -> Process:
         """Half of DDP's local work on a bucket (gradients copied in; or the average
         scaled and copied back): its share of the calibrated `ddp_s`, else priced as
         `average_tensors`' local work."""
-        env, machines = self.env, self.cluster.machines
         if self.cost.ddp_s is not None:
             seconds = self.cost.ddp_s * numel / self.numel / 2
         else:
             seconds = 4 * numel / self.cal.flatten_bytes_per_s / 2
-        yield env.all_of([env.process(machines[m].work(seconds)) for m in self.where])
+        yield from self._on_every_worker(seconds)
 
     def _reduce_bucket(self, numel: int) -> Process:
         """One DDP bucket: copied in, a ring all-reduce (fp32) or the codec hook's
@@ -269,14 +273,12 @@ class SyncSim:
         if self.codec == "fp32":
             yield from self._allreduce(4 * numel)
             return
-        env, machines = self.env, self.cluster.machines
-        encode = self.cal.codec_s(self.codec, numel, "encode")
-        yield env.all_of([env.process(machines[m].work(encode)) for m in self.where])
+        yield from self._on_every_worker(self.cal.codec_s(self.codec, numel, "encode"))
         codes, scales = layout(self.codec, numel, self.block_size)
         packed = codes + 4 * scales + 1  # `pack`: codes, scales, a flag byte
         yield from ring_allgather(self.cluster, self.where, packed, self.cal)
         decode = self.num_workers * self.cal.codec_s(self.codec, numel, "decode")
-        yield env.all_of([env.process(machines[m].work(decode)) for m in self.where])
+        yield from self._on_every_worker(decode)
 
     # --- one step ------------------------------------------------------------------------
 
@@ -299,9 +301,7 @@ class SyncSim:
             yield from self._reduce_bucket(numel)
 
     def _optimizer(self) -> Process:
-        env, machines = self.env, self.cluster.machines
-        seconds = self.cost.optimizer_s
-        yield env.all_of([env.process(machines[m].work(seconds)) for m in self.where])
+        yield from self._on_every_worker(self.cost.optimizer_s)
 
     def _step(self) -> Process:
         env = self.env
@@ -338,13 +338,10 @@ class SyncSim:
     def _average(self, nbytes: int) -> Process:
         """`average_tensors`: every worker flattens its tensors, the flat copy is
         all-reduced, then scaled and copied back (local work on each worker's cores)."""
-        env, machines = self.env, self.cluster.machines
-        local = nbytes / self.cal.flatten_bytes_per_s
-        half = [env.process(machines[m].work(local / 2)) for m in self.where]
-        yield env.all_of(half)
+        half = nbytes / self.cal.flatten_bytes_per_s / 2
+        yield from self._on_every_worker(half)
         yield from self._allreduce(nbytes)
-        half = [env.process(machines[m].work(local / 2)) for m in self.where]
-        yield env.all_of(half)
+        yield from self._on_every_worker(half)
 
     def _evaluate(self) -> Process:
         if self.opts.mode == "average":  # the workers' average weights, then rank 0 tests
