@@ -150,6 +150,13 @@ def _empty_like(local: Tensor, shape: tuple[int, int]) -> Tensor:
     return buffer.permute([order.index(d) for d in range(4)])
 
 
+def _piece_bytes(codec: Codec | None, shape: tuple[int, ...], like: Tensor) -> int:
+    """Bytes a piece of `shape` takes on the wire: raw, or packed codes and scales."""
+    if codec is None:
+        return math.prod(shape) * like.element_size()
+    return packed_size(_layout_like(codec, shape, like))
+
+
 def _layout_like(codec: Codec, shape: tuple[int, ...], like: Tensor) -> Encoded:
     """An `Encoded` with the layout `codec` gives a tensor of `shape` (for `unpack`)."""
     if getattr(codec, "absmax", True) is False:  # fixed-scale table codecs: one scale
@@ -320,6 +327,7 @@ class DistributedArray:
         if rank is None:
             rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.plan = ExchangePlan.build(rank, outputs, inputs)
+        self.outputs, self.inputs = tuple(outputs), tuple(inputs)  # every worker's windows
         self.group = group
         self.transport: Transport = transport
         self.codec = codec
@@ -344,16 +352,29 @@ class DistributedArray:
         gradient, which sends back what the forward received."""
         like = torch.empty(0, dtype=dtype)
         pieces = self.plan.receives if backward else self.plan.sends
-        total = 0
-        for j, piece in pieces:
-            if j == self.plan.rank:
-                continue
-            shape = (batch, channels, *piece.shape)
-            if self.codec is None:
-                total += math.prod(shape) * like.element_size()
-            else:
-                total += packed_size(_layout_like(self.codec, shape, like))
-        return total
+        return sum(
+            _piece_bytes(self.codec, (batch, channels, *piece.shape), like)
+            for j, piece in pieces
+            if j != self.plan.rank
+        )
+
+    def pair_bytes(
+        self,
+        batch: int,
+        channels: int,
+        dtype: torch.dtype = torch.float32,
+        backward: bool = False,
+    ) -> dict[tuple[int, int], int]:
+        """{(i, j): bytes worker i sends worker j} in one exchange, for every pair of
+        distinct workers that exchange anything (what a simulator of the whole grid needs;
+        `bytes_sent` is row `rank` of it)."""
+        like = torch.empty(0, dtype=dtype)
+        out = {}
+        for (i, j), piece in intersections(self.outputs, self.inputs).items():
+            if i != j:
+                pair = (j, i) if backward else (i, j)
+                out[pair] = _piece_bytes(self.codec, (batch, channels, *piece.shape), like)
+        return out
 
     def __call__(self, local: Tensor) -> Tensor:
         """local (N, C, *output shape) -> buffer (N, C, *input shape)."""

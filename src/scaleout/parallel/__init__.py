@@ -12,8 +12,10 @@ from __future__ import annotations
 from scaleout.parallel.apply import (
     ELEMENTWISE,
     PARTITIONABLE,
+    Exchange,
     bytes_per_step,
     can_parallelize,
+    greedy_exchanges,
     is_partitioned,
     parallelize,
 )
@@ -28,6 +30,7 @@ from scaleout.parallel.spatial import (
 __all__ = [
     "ELEMENTWISE",
     "PARTITIONABLE",
+    "Exchange",
     "PartitionedL2Pool2d",
     "PartitionedLocalContrastNorm2d",
     "PartitionedLocallyConnected2d",
@@ -35,6 +38,7 @@ __all__ = [
     "bytes_per_step",
     "can_parallelize",
     "even_tiling",
+    "greedy_exchanges",
     "is_partitioned",
     "parallelize",
     "synced_state",

@@ -16,13 +16,15 @@ Two kinds of model can be partitioned:
   every worker holds, each next one the previous one's output tiling, and the module returns
   this worker's tile of the output.
 
-`bytes_per_step` counts what a worker of a partitioned autoencoder sends in one greedy step,
-from the swapped layers' exchanges.
+`greedy_exchanges` lists the exchanges of one greedy step of a partitioned autoencoder in the
+order they run (the simulator prices them), and `bytes_per_step` counts what a worker sends
+in them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch import nn
@@ -43,8 +45,10 @@ from scaleout.parallel.spatial import (
 __all__ = [
     "ELEMENTWISE",
     "PARTITIONABLE",
+    "Exchange",
     "bytes_per_step",
     "can_parallelize",
+    "greedy_exchanges",
     "is_partitioned",
     "parallelize",
 ]
@@ -208,29 +212,51 @@ def _parallelize_sequential(module: nn.Sequential, place: Placement) -> None:
         setattr(module, name, part)
 
 
-def bytes_per_step(module: nn.Module, index: int, batch: int) -> int:
-    """Bytes this worker of a partitioned `SparseAutoencoderNetwork` sends in one greedy
-    training step of stack `index` on a minibatch of `batch`: the forward pass through the
-    stacks below, then the stack's objective and its backward (the stack's input comes from
-    frozen stacks and needs no gradient, so the input exchange has no backward)."""
+class Exchange(NamedTuple):
+    """One exchange of a greedy step: `array` moves a (batch, `channels`, H, W) array, at
+    `stack`; `backward`: its gradient is exchanged back too (the transposed exchange)."""
+
+    stack: int
+    name: str  # "filter.to_input", "filter.to_owners", "pool.to_input", "lcn.to_input"
+    array: DistributedArray
+    channels: int
+    backward: bool
+
+
+def greedy_exchanges(module: nn.Module, index: int) -> list[Exchange]:
+    """The exchanges of one greedy training step of stack `index` of a partitioned
+    `SparseAutoencoderNetwork`, in the order they run: the forward pass through the stacks
+    below, then the stack's objective and its backward (the stack's input comes from frozen
+    stacks and needs no gradient, so the input exchange has no backward). Exchanges that
+    move nothing (the data, which every worker holds) are left out."""
     if not isinstance(module, SparseAutoencoderNetwork) or not is_partitioned(module):
-        raise ValueError("bytes_per_step counts a SparseAutoencoderNetwork that parallelize split")
-    total = 0
+        raise ValueError("greedy_exchanges reads a SparseAutoencoderNetwork that parallelize split")
+    out = []
     for k, stack in enumerate(module.stacks[: index + 1]):
         channels, depth = stack.geometry.in_channels, stack.geometry.depth
-        exchanges: list[tuple[DistributedArray | None, int, bool]] = [
-            (stack.filter.to_input, channels, False)
+        steps: list[tuple[str, DistributedArray | None, int, bool]] = [
+            ("filter.to_input", stack.filter.to_input, channels, False)
         ]
         if k == index:  # the objective: W^T h summed onto the owners, the codes pooled
-            exchanges += [
-                (stack.filter.to_owners, channels, True),
-                (stack.pool.to_input, depth, True),
+            steps += [
+                ("filter.to_owners", stack.filter.to_owners, channels, True),
+                ("pool.to_input", stack.pool.to_input, depth, True),
             ]
         else:  # the features for the next stack
-            exchanges += [(stack.pool.to_input, depth, False), (stack.lcn.to_input, depth, False)]
-        for array, size, backward in exchanges:
-            if array is not None:
-                total += array.bytes_sent(batch, size)
-                if backward:
-                    total += array.bytes_sent(batch, size, backward=True)
+            steps += [
+                ("pool.to_input", stack.pool.to_input, depth, False),
+                ("lcn.to_input", stack.lcn.to_input, depth, False),
+            ]
+        out += [Exchange(k, *step) for step in steps if step[1] is not None]
+    return out
+
+
+def bytes_per_step(module: nn.Module, index: int, batch: int) -> int:
+    """Bytes this worker of a partitioned `SparseAutoencoderNetwork` sends in one greedy
+    training step of stack `index` on a minibatch of `batch` (`greedy_exchanges`)."""
+    total = 0
+    for exchange in greedy_exchanges(module, index):
+        total += exchange.array.bytes_sent(batch, exchange.channels)
+        if exchange.backward:
+            total += exchange.array.bytes_sent(batch, exchange.channels, backward=True)
     return total
