@@ -14,7 +14,7 @@ box drifts):
   `ParameterServer` on Ray, and a gloo all-reduce between two processes, at fixed sizes and
   at the sizes the configs send, in wall time and in the core-seconds all of the machine's
   processes spend on them (a call keeps more than one core busy, which a loaded machine
-  feels);
+  feels); a model-parallel exchange between two processes by size;
 - a checkpoint write per byte, and the local part of sync's weight averaging per byte.
 
 The simulator prices every event from these numbers (`Calibration`).
@@ -37,6 +37,7 @@ from scaleout.sim.calibration import Calibration, CodecCost
 from scaleout.sim.measure_calls import (
     allreduce_sizes,
     measure_allreduce,
+    measure_exchange,
     measure_shard_messages,
     shard_message_sizes,
 )
@@ -143,6 +144,8 @@ def calibrate(
         pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
     say("gloo all-reduce between two processes")
     allreduce = measure_allreduce(allreduce_sizes(configs, models))
+    say("model-parallel exchanges between two processes")
+    exchange = measure_exchange()
     say("checkpoint writes")
     checkpoint = measure_checkpoint()
     flatten = measure_flatten()
@@ -156,6 +159,7 @@ def calibrate(
         pull=pull,
         push=push,
         allreduce=allreduce,
+        exchange=exchange,
         checkpoint_bytes_per_s=checkpoint,
         flatten_bytes_per_s=flatten,
         idle_cores=idle_cores,

@@ -46,6 +46,9 @@ class ModelCost(_Model):
     # processes -> seconds per example of one 1-thread process while that many step at once
     # (they share memory bandwidth and caches: the slow-down beyond sharing cores)
     concurrent_s: dict[int, PositiveFloat] = {}
+    # a layer-wise model's phases: seconds per example of a 1-thread step of each (phase k
+    # runs the frozen stacks below it); empty: one phase, or not measured
+    phase_s: list[PositiveFloat] = []
     eval_s: PositiveFloat  # seconds per test example (forward only)
     load_s: float = 0.0  # seconds per example of the loader alone (within train_s)
     optimizer_s: float = 0.0  # seconds per step of the config's optimizer on the whole model
@@ -183,6 +186,10 @@ class Calibration(_Model):
     pull: MessageCost  # a shard's slice to a replica (fp32), per shard call
     push: MessageCost  # a replica's gradient slice into the object store, per shard call
     allreduce: MessageCost | None = None  # gloo, two processes: per byte of the tensor
+    # a model-parallel exchange between two processes of one machine, by bytes each sends
+    # the other (gloo all-to-all with the cutting and placing around it; a hardware file:
+    # a copy between two GPUs of one server)
+    exchange: MessageCost | None = None
     checkpoint_bytes_per_s: PositiveFloat = 200e6
     # flatten a list of tensors, scale it and copy it back (sync "average" mode's work
     # around its all-reduce), bytes of the tensors per second

@@ -198,6 +198,64 @@ def _allreduce_worker(rank: int, port: int, sizes: Sequence[int], out: Any) -> N
         dist.destroy_process_group()
 
 
+EXCHANGE_SIZES = (100, 1_000, 10_000, 100_000, 1_000_000)  # values each rank sends the other
+
+
+def _exchange_worker(rank: int, port: int, sizes: Sequence[int], out: Any) -> None:  # noqa: ANN401
+    """One of two gloo ranks exchanging halves of a (1, 1, 2, size) distributed array (each
+    holds a row and needs both: `size` values to the other, as a model-parallel exchange
+    moves a halo): per size, the mean wall seconds of an exchange and this process's CPU
+    seconds per exchange."""
+    import torch.distributed as dist
+
+    from scaleout.comm.darray import ExchangePlan, exchange
+    from scaleout.comm.windows import Window
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        walls, cpus = [], []
+        for size in sizes:
+            rows = [Window(range(0, 1), range(size)), Window(range(1, 2), range(size))]
+            whole = Window(range(0, 2), range(size))
+            plan = ExchangePlan.build(rank, rows, [whole, whole])
+            local = torch.randn(1, 1, 1, size)
+
+            def once(plan: ExchangePlan = plan, local: torch.Tensor = local) -> None:
+                exchange(local, plan)
+
+            for _ in range(3):
+                once()
+            began = time.perf_counter()
+            for _ in range(3):
+                once()
+            each = max((time.perf_counter() - began) / 3, 1e-6)
+            count = torch.tensor([max(9, math.ceil(ALLREDUCE_MIN_S / each))])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            calls = int(count.item())
+            own, started = time.process_time(), time.perf_counter()
+            for _ in range(calls):
+                once()
+            walls.append((time.perf_counter() - started) / calls)
+            cpus.append((time.process_time() - own) / calls)
+        out.put((rank, walls, cpus))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_exchange(sizes: Sequence[int] = EXCHANGE_SIZES) -> MessageCost:
+    """A model-parallel exchange (`scaleout.comm.darray.exchange`, gloo all-to-all) between
+    two processes of this machine, by bytes each sends the other: wall time (cutting,
+    the collective, placing), and the core-seconds of both processes."""
+    from scaleout.comm import free_port
+
+    port = free_port()
+    answers = in_processes(_exchange_worker, [(rank, port, list(sizes)) for rank in range(2)], 2)
+    (_, walls, cpus0), (_, _, cpus1) = sorted(answers, key=lambda a: a[0])
+    calls = [CallCost(wall, c0 + c1, c0) for wall, c0, c1 in zip(walls, cpus0, cpus1, strict=True)]
+    return message_cost([4 * s for s in sizes], calls)
+
+
 def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
     """Values per all-reduce to measure: `ALLREDUCE_SIZES`, and what the configs' sync runs
     reduce (the whole gradient, DDP's buckets, the averaged weights and optimizer state)."""

@@ -45,14 +45,30 @@ class _Stepper:
             self._batches = iter(self.loader)
             return next(self._batches)
 
-    def step(self, parts: int = 1) -> None:
+    def step(self, parts: int = 1, phase: int = 0) -> None:
         """One step on the first `1 / parts` of the next minibatch (a sync worker's slice of
-        it: the loader still makes the whole minibatch)."""
+        it: the loader still makes the whole minibatch), of `phase` (a layer-wise model's)."""
         batch = self.next_batch()
         if parts > 1:
             batch = tuple(t[: len(t) // parts] for t in batch)
-        loss, _ = self.objective.step(self.model, self.model, batch, 0)
+        loss, _ = self.objective.step(self.model, self.model, batch, phase)
         loss.backward()
+
+    @property
+    def num_phases(self) -> int:
+        return getattr(self.model, "num_phases", 1)
+
+    def phase_s(self, steps: int) -> list[float]:
+        """Seconds per example of a step of every phase of a layer-wise model (greedy
+        training: phase k runs the frozen stacks below it too), at the threads set now."""
+        out = []
+        for phase in range(self.num_phases):
+            self.objective.parameter_groups(self.model, phase, 0.0)  # trains phase k only
+            self.objective.begin_phase(self.model, self.next_batch(), phase)
+            step = lambda phase=phase: self.step(phase=phase)  # noqa: E731
+            out.append(timed(step, repeats=steps, warmup=1) / self.batch)
+        self.objective.parameter_groups(self.model, 0, 0.0)
+        return out
 
 
 def fixed_fraction(stepper: _Stepper, steps: int, rounds: int = 3) -> float:
@@ -172,6 +188,7 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
                 samples[threads].append(timed(stepper.step, repeats=steps // 2, warmup=1))
         train_s = {t: statistics.median(times) / batch for t, times in samples.items()}
         torch.set_num_threads(1)
+        phase_s = stepper.phase_s(steps // 2) if stepper.num_phases > 1 else []
         fixed = fixed_fraction(stepper, steps) if batch >= 2 else 0.0
         load_s = timed(stepper.next_batch, repeats=steps) / batch
         optimizer = build_optimizer(model.parameters(), stepper.job.train)
@@ -203,6 +220,7 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
         forward_flops=flops,
         batch_size=batch,
         train_s=train_s,
+        phase_s=phase_s,
         concurrent_s=concurrent_s,
         eval_s=eval_s,
         load_s=load_s,

@@ -28,6 +28,7 @@ SIMULATIONS = {
     "downpour": "scaleout.sim.downpour:DownpourSim",
     "sync": "scaleout.sim.sync:SyncSim",
     "sandblaster": "scaleout.sim.sandblaster:SandblasterSim",
+    "model_parallel": "scaleout.sim.model_parallel:ModelParallelSim",
 }
 
 

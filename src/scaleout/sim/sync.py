@@ -133,7 +133,9 @@ def _ring(
     for _ in range(steps):
         if exact:
             sends = [
-                env.process(_send(cluster, machines[i], machines[(i + 1) % n], chunk, local, kind))
+                env.process(
+                    ring_send(cluster, machines[i], machines[(i + 1) % n], chunk, local, kind)
+                )
                 for i in range(n)
             ]
             yield env.all_of(sends)
@@ -142,9 +144,11 @@ def _ring(
             cluster.traffic.add(kind, chunk, remote=True, count=n - 1)  # the others' sends
 
 
-def _send(
+def ring_send(
     cluster: Cluster, source: int, dest: int, nbytes: int, local: MessageCost | None, kind: str
 ) -> Process:
+    """One rank's send of `nbytes` to the next: over the network between machines; within a
+    machine, priced as a ring step of a calibrated two-process all-reduce."""
     yield from cluster.send(source, dest, nbytes, kind)
     if source == dest:  # half of a calibrated two-rank all-reduce of 2 * nbytes
         assert local is not None

@@ -1,0 +1,325 @@
+"""Strategy "model_parallel" (`scaleout.strategies.model_parallel`) as a simulation: one
+replica of a layer-wise locally connected network over a `model_parallel.grid` of workers.
+
+What runs, as the library runs it: every worker takes the same greedy step of stack k on
+the same minibatch, in lockstep. The step is the forward pass through the frozen stacks
+below (each stack's filter, pooling and contrast normalisation on the worker's part),
+then stack k's objective (W x and W^T h, fused; the pooled codes) and its backward, then
+one all-reduce of the objective's sums and the replicated alpha's gradient, then each
+worker's optimizer step on its own filters. Between the layers the workers exchange the
+activations their receptive fields reach (and, in the backward, their gradients):
+`scaleout.parallel.greedy_exchanges` lists those exchanges in order, and each one's bytes
+per pair of workers are the library's (`DistributedArray.pair_bytes`, from the same
+windows the real run's `ExchangePlan`s are built of; with `[compress] codec` the packed
+codes and scales). An exchange is a collective: the next layer starts when every piece
+has arrived.
+
+Prices: a worker's compute is its part's FLOPs (its block positions' filters, its pixels
+of pooling and normalisation; `scaleout.nn.local` counts them; the calibrated share of a
+step that does not shrink with the work, `ModelCost.fixed_fraction`, stays whole on every
+worker) at the machine's FLOP rate:
+measured, when the calibration has this config's model (the rate of its measured step of
+that stack in one process, the frozen stacks below included: pooling and normalisation
+cost more per FLOP than the filters' GEMMs), else the file's `flops_per_s` per thread (a
+hardware file: one GPU per worker). Pieces between workers of one machine are priced as
+the calibration's two-process exchange (`Calibration.exchange`: the library's exchange
+over gloo, measured on this box; a copy between GPUs of a server in a hardware file), each
+worker paying it for the bytes it sends its machine's workers (a calibration without it:
+as ring steps of its all-reduce, `sync.ring_send`); pieces between machines cross the
+sender's and the receiver's links.
+
+Placement: the P workers of the grid over N machines, consecutive ranks together (worker
+r on machine r * N // P: COTS HPC's four GPUs per server); `--machines 1` is the run as
+`scaleout train` runs it here, every worker on this machine's cores. N may not exceed P.
+
+Every stack's step is simulated once (steps are alike in lockstep) and the run is
+`train.steps` of each stack; evaluations are not priced (a few per cent of a run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from scaleout.comm.windows import Window, partition_local
+from scaleout.errors import ConfigError
+from scaleout.parallel import Exchange, greedy_exchanges, parallelize
+from scaleout.sim.engine import Process
+from scaleout.sim.result import Result
+from scaleout.sim.setting import Setting
+from scaleout.sim.sync import ring_allreduce, ring_send
+from scaleout.strategies.model_parallel import ModelParallelSection
+
+SUM_VALUES = 4  # the objective's two sums, the example count and alpha's gradient
+MATMULS_FORWARD, MATMULS_BACKWARD = 2, 3  # W x, W^T h; then W dL/dr and two weight products
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Work every worker does at once: FLOPs per rank."""
+
+    what: str
+    flops: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Move:
+    """One exchange (or its transposed one, `backward`): bytes per (sender, receiver)."""
+
+    exchange: Exchange
+    backward: bool
+    pairs: dict[tuple[int, int], int]
+
+
+def _pixels(window: Window) -> int:
+    return window.num_pixels
+
+
+def _shares(windows: list[Window]) -> list[float]:
+    total = sum(_pixels(w) for w in windows)
+    return [_pixels(w) / total for w in windows]
+
+
+class GreedySchedule:
+    """The greedy steps of a config's partitioned network, for every worker of its grid:
+    built once on PyTorch's meta device (shapes only) as `parallelize` partitions it."""
+
+    def __init__(self, config: Any, grid: tuple[int, int] | None = None) -> None:  # noqa: ANN401
+        """`grid`: another grid than the config's (`model_parallel.grid`)."""
+        from scaleout.api import build_job
+
+        job = build_job(config)
+        if grid is None:
+            given = job.section("model_parallel", ModelParallelSection).grid
+            grid = (given[0], given[1])
+        self.grid = grid
+        self.workers = self.grid[0] * self.grid[1]
+        self.batch = config.train.batch_size
+        with torch.device("meta"):
+            network = job.model.build()
+        if not hasattr(network, "stacks"):
+            raise ConfigError(
+                'train.strategy = "model_parallel" simulates a SparseAutoencoderNetwork '
+                f'(model.kind = "sparse_autoencoder"); {job.model.name} is not one'
+            )
+        geometries = [stack.filter.geometry for stack in network.stacks]
+        layer_flops = [stack.flops_per_example() for stack in network.stacks]
+        codec = None if config.compress.codec == "fp32" else job.compress.build()
+        try:
+            parallelize(network, list(self.grid), rank=0, codec=codec)
+        except ValueError as err:
+            raise ConfigError(f"model_parallel.grid = {list(self.grid)}: {err}") from None
+        self.network = network
+        self.num_stacks = len(network.stacks)
+        # per stack: FLOPs per example of one matmul, pooling, normalisation, per rank
+        self.matmul, self.pool, self.lcn = [], [], []
+        for stack, g, flops in zip(network.stacks, geometries, layer_flops, strict=True):
+            parts = partition_local(g, self.grid)
+            self.matmul.append([g.sub(p.units.rows, p.units.cols).matmul_flops(1) for p in parts])
+            self.pool.append([flops["pool"] * s for s in _shares(stack.pool.output_windows)])
+            self.lcn.append([flops["lcn"] * s for s in _shares(stack.lcn.output_windows)])
+        # per rank: parameters it updates (its filters of each stack)
+        self.own_numel = [
+            [g.sub(p.units.rows, p.units.cols).num_weights for p in partition_local(g, self.grid)]
+            for g in geometries
+        ]
+
+    def _compute(self, what: str, per_example: list[float], times: float = 1.0) -> Compute:
+        return Compute(what, tuple(round(times * f * self.batch) for f in per_example))
+
+    def _move(self, exchange: Exchange, backward: bool = False) -> Move:
+        pairs = exchange.array.pair_bytes(self.batch, exchange.channels, backward=backward)
+        return Move(exchange, backward, pairs)
+
+    def step(self, index: int) -> Iterator[Compute | Move]:
+        """One greedy step of stack `index`, in the order it runs."""
+        moves = {(e.stack, e.name): e for e in greedy_exchanges(self.network, index)}
+
+        def move(k: int, name: str, backward: bool = False) -> Iterator[Move]:
+            if (k, name) in moves:
+                yield self._move(moves[(k, name)], backward)
+
+        for k in range(index):  # the frozen stacks' features
+            yield from move(k, "filter.to_input")
+            yield self._compute(f"stack {k + 1} filter", self.matmul[k])
+            yield from move(k, "pool.to_input")
+            yield self._compute(f"stack {k + 1} pool", self.pool[k])
+            yield from move(k, "lcn.to_input")
+            yield self._compute(f"stack {k + 1} lcn", self.lcn[k])
+        k = index
+        yield from move(k, "filter.to_input")
+        yield self._compute("objective: W x, W^T h", self.matmul[k], MATMULS_FORWARD)
+        yield from move(k, "filter.to_owners")
+        yield from move(k, "pool.to_input")
+        yield self._compute("objective: pool", self.pool[k])
+        yield self._compute("backward: pool", self.pool[k], 2)
+        yield from move(k, "pool.to_input", backward=True)
+        yield from move(k, "filter.to_owners", backward=True)
+        yield self._compute("backward: W", self.matmul[k], MATMULS_BACKWARD)
+
+    def step_flops(self, index: int, rank: int | None = None) -> int:
+        """FLOPs of one step of stack `index`: of worker `rank`, or of all of them."""
+        items = [i for i in self.step(index) if isinstance(i, Compute)]
+        return sum(sum(i.flops) if rank is None else i.flops[rank] for i in items)
+
+    def bytes_per_step(self, index: int) -> int:
+        """Bytes all workers send each other in one step of stack `index`."""
+        return sum(sum(i.pairs.values()) for i in self.step(index) if isinstance(i, Move))
+
+
+class ModelParallelSim:
+    """One model-parallel run of `config` on `setting`'s machines."""
+
+    def __init__(self, config: Any, setting: Setting) -> None:  # noqa: ANN401
+        from scaleout.sim.measuring import model_key
+
+        self.config, self.setting, self.train = config, setting, config.train
+        self.schedule = GreedySchedule(config)
+        self.workers = self.schedule.workers
+        if setting.machines > self.workers:
+            raise ConfigError(
+                f"--machines {setting.machines}: model_parallel.grid = "
+                f"{list(self.schedule.grid)} has {self.workers} workers; give at most that many"
+            )
+        self.cal = cal = setting.calibration
+        self.threads = config.run.num_threads or 1
+        self.cost = cal.models.get(model_key(config))
+        self.s_per_flop = self._seconds_per_flop()
+        self.fixed = self.cost.fixed_fraction if self.cost is not None else 0.0
+        self.cluster = setting.cluster()
+        if self.cost is not None:
+            for machine in self.cluster.machines:
+                machine.cores.slowdown = self.cost.slowdown
+        self.env = self.cluster.env
+        self.machine_of = [r * setting.machines // self.workers for r in range(self.workers)]
+        self.shares_machine = [self.machine_of.count(m) > 1 for m in self.machine_of]
+        self.compute_s = self.exchange_s = 0.0  # wall time in layers' compute, in exchanges
+
+    def _seconds_per_flop(self) -> list[float]:
+        """Seconds per FLOP of one worker at its threads, per stack: the measured rate of
+        this model's step of that stack (of stack 1 when only it was measured), else the
+        file's FLOP/s per thread."""
+        stacks = range(self.schedule.num_stacks)
+        if self.cost is not None:
+            one = GreedySchedule(self.config, grid=(1, 1))
+            batch = self.train.batch_size
+            whole = self.cost.step_s(batch, self.threads)  # stack 1's step
+            if len(self.cost.phase_s) != len(stacks):
+                return [whole / one.step_flops(0) for _ in stacks]
+            threads = whole / self.cost.step_s(batch, 1)
+            return [threads * batch * self.cost.phase_s[k] / one.step_flops(k) for k in stacks]
+        rate = self.cal.flops_per_s
+        if rate is None:
+            raise ConfigError(
+                "this config's model is not in the calibration and it has no flops_per_s: "
+                "run `scaleout calibrate CONFIG` with it"
+            )
+        return [1.0 / (rate * self.threads) for _ in stacks]
+
+    def _worker_compute(self, rank: int, seconds: float) -> Process:
+        yield from self.cluster.machines[self.machine_of[rank]].compute(seconds, self.threads)
+
+    def _piece(self, source: int, dest: int, nbytes: int, kind: str) -> Process:
+        """A piece to a worker of another machine, over the links (fallback: any piece,
+        priced as a ring step when the calibration has no exchange)."""
+        a, b = self.machine_of[source], self.machine_of[dest]
+        if a == b and self.cal.allreduce is None:
+            raise ConfigError(
+                "the calibration has no exchange or all-reduce between two processes (they "
+                "price exchanges within a machine): run `scaleout calibrate` again"
+            )
+        yield from ring_send(self.cluster, a, b, nbytes, self.cal.allreduce, kind)
+
+    def _exchange(self, rank: int, move: Move, kind: str) -> Process:
+        """Worker `rank`'s part of an exchange with calibrated exchanges: its pieces to
+        workers of its machine as one measured two-process exchange of their bytes (the
+        fixed cost paid even with nothing to send: the collective meets), its pieces to
+        other machines over the links."""
+        env, cal, here = self.env, self.cal, self.machine_of[rank]
+        assert cal.exchange is not None
+        local, remote = 0, []
+        for (i, j), nbytes in move.pairs.items():
+            if i != rank:
+                continue
+            if self.machine_of[j] == here:
+                local += nbytes
+                self.cluster.traffic.add(kind, nbytes, remote=False)
+            else:
+                remote.append(
+                    env.process(self.cluster.send(here, self.machine_of[j], nbytes, kind))
+                )
+        jobs = remote
+        if self.shares_machine[rank]:
+            cost = cal.exchange
+            call = self.cluster.machines[here].call(cost.seconds(local), cost.cpu_s(local) / 2)
+            jobs = [env.process(call), *remote]
+        yield env.all_of(jobs)
+
+    def _step(self, index: int) -> Process:
+        env = self.env
+        for item in self.schedule.step(index):
+            start = env.now
+            if isinstance(item, Compute):
+                # a share of a layer's time does not shrink with the part (Python, the
+                # operators' fixed costs): as with the batch, `ModelCost.fixed_fraction`
+                price, whole = self.s_per_flop[index], sum(item.flops)
+                seconds = [price * (self.fixed * whole + (1 - self.fixed) * f) for f in item.flops]
+                jobs = [env.process(self._worker_compute(r, t)) for r, t in enumerate(seconds)]
+            elif not item.pairs:
+                continue  # an exchange without peers skips the collective on every worker
+            elif self.cal.exchange is not None:
+                kind = f"exchange {item.exchange.name}"
+                jobs = [env.process(self._exchange(r, item, kind)) for r in range(self.workers)]
+            else:
+                kind = f"exchange {item.exchange.name}"
+                jobs = [env.process(self._piece(i, j, n, kind)) for (i, j), n in item.pairs.items()]
+            yield env.all_of(jobs)
+            if isinstance(item, Compute):
+                self.compute_s += env.now - start
+            else:
+                self.exchange_s += env.now - start
+        machines = self.machine_of
+        yield from ring_allreduce(self.cluster, machines, 4 * SUM_VALUES, self.cal, "sums")
+        optimizer = self.train.optimizer
+        updates = [
+            env.process(self.cluster.machines[machines[r]].work(self.cal.apply_s(optimizer, n)))
+            for r, n in enumerate(self.schedule.own_numel[index])
+        ]
+        yield env.all_of(updates)
+
+    def run(self) -> Result:
+        steps = self.setting.steps or self.train.steps or 1
+        stack_s = []
+        for index in range(self.schedule.num_stacks):
+            start = self.env.now
+            done = self.env.process(self._step(index))
+            self.cluster.run(until=done)
+            stack_s.append(self.env.now - start)
+        elapsed = self.env.now
+        trained_s = steps * sum(stack_s)
+        batch = self.train.batch_size
+        roles = {
+            "worker compute": self.compute_s / elapsed,
+            "exchanges": self.exchange_s / elapsed,
+        }
+        result = Result.of_run(
+            self.cluster,
+            roles,
+            steps=steps * len(stack_s),
+            examples=steps * len(stack_s) * batch,
+            step_s=trained_s / (steps * len(stack_s)),
+            steady_examples_per_s=None,
+            extra={
+                "grid": list(self.schedule.grid),
+                "stack_step_s": stack_s,
+                "stack_exchange_bytes": [
+                    self.schedule.bytes_per_step(k) for k in range(len(stack_s))
+                ],
+                "stack_flops": [self.schedule.step_flops(k) for k in range(len(stack_s))],
+            },
+            trained_s=trained_s,
+        )
+        return replace(result, run_s=trained_s)
