@@ -1,9 +1,11 @@
 """Calls between processes of this machine, measured: pulls and pushes through a real
-parameter-server shard on Ray, and a gloo all-reduce between two processes, by size, in
-wall time and in the core-seconds all processes spend on them (`MessageCost`)."""
+parameter-server shard on Ray, a gloo all-reduce and a model-parallel exchange between two
+processes, by size, in wall time and in the core-seconds all processes spend on them
+(`MessageCost`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -166,9 +168,36 @@ def measure_shard_messages(
     return message_cost(nbytes, pulls), message_cost(nbytes, pushes), statistics.median(idles)
 
 
-def _allreduce_worker(rank: int, port: int, sizes: Sequence[int], out: Any) -> None:  # noqa: ANN401
-    """One of two gloo ranks: per size, the mean wall seconds of an all-reduce and this
-    process's CPU seconds per all-reduce (gloo's threads included)."""
+def _per_call(once: Callable[[], None]) -> tuple[float, float]:
+    """Mean wall seconds of `once()` (a collective of two gloo ranks) and this process's CPU
+    seconds per call, gloo's threads included: both ranks make as many calls, enough for
+    `ALLREDUCE_MIN_S`. Means, not medians: gloo's threads poll, so a median call's wall time
+    against the mean CPU would claim more cores than the machine has."""
+    import torch.distributed as dist
+
+    for _ in range(3):
+        once()
+    began = time.perf_counter()
+    for _ in range(3):
+        once()
+    each = max((time.perf_counter() - began) / 3, 1e-6)
+    count = torch.tensor([max(9, math.ceil(ALLREDUCE_MIN_S / each))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # both ranks make as many
+    calls = int(count.item())
+    own, started = time.process_time(), time.perf_counter()
+    for _ in range(calls):
+        once()
+    return (time.perf_counter() - started) / calls, (time.process_time() - own) / calls
+
+
+def _two_ranks(
+    rank: int,
+    port: int,
+    sizes: Sequence[int],
+    out: Any,  # noqa: ANN401
+    call_for: Callable[[int, int], Callable[[], None]],
+) -> None:
+    """One of two gloo ranks: per size, `_per_call` of `call_for(rank, size)`."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -176,84 +205,59 @@ def _allreduce_worker(rank: int, port: int, sizes: Sequence[int], out: Any) -> N
     try:
         walls, cpus = [], []
         for size in sizes:
-            x = torch.randn(size)
-            for _ in range(3):
-                dist.all_reduce(x)
-            began = time.perf_counter()
-            for _ in range(3):
-                dist.all_reduce(x)
-            each = max((time.perf_counter() - began) / 3, 1e-6)
-            count = torch.tensor([max(9, math.ceil(ALLREDUCE_MIN_S / each))])
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)  # both ranks make as many
-            calls = int(count.item())
-            own, started = time.process_time(), time.perf_counter()
-            for _ in range(calls):
-                dist.all_reduce(x)
-            # means, not medians: gloo's threads poll, so a median call's wall time against
-            # the mean CPU would claim more cores than the machine has
-            walls.append((time.perf_counter() - started) / calls)
-            cpus.append((time.process_time() - own) / calls)
+            wall, cpu = _per_call(call_for(rank, size))
+            walls.append(wall)
+            cpus.append(cpu)
         out.put((rank, walls, cpus))
     finally:
         dist.destroy_process_group()
+
+
+def _allreduce_call(rank: int, size: int) -> Callable[[], None]:
+    """An all-reduce of `size` values."""
+    import torch.distributed as dist
+
+    x = torch.randn(size)
+    return lambda: dist.all_reduce(x)
+
+
+def _exchange_call(rank: int, size: int) -> Callable[[], None]:
+    """An exchange of a (1, 1, 2, size) distributed array: each rank holds a row and needs
+    both, so it sends `size` values to the other, as a model-parallel exchange moves a
+    halo (`scaleout.comm.darray.exchange`: cutting, the all-to-all, placing)."""
+    from scaleout.comm.darray import ExchangePlan, exchange
+    from scaleout.comm.windows import Window
+
+    rows = [Window(range(0, 1), range(size)), Window(range(1, 2), range(size))]
+    whole = Window(range(0, 2), range(size))
+    plan = ExchangePlan.build(rank, rows, [whole, whole])
+    local = torch.randn(1, 1, 1, size)
+    return lambda: exchange(local, plan)
+
+
+def _measure_two_ranks(
+    call_for: Callable[[int, int], Callable[[], None]], sizes: Sequence[int]
+) -> MessageCost:
+    """`call_for`'s collective between two processes of this machine, by bytes of `sizes`
+    values: wall time, and the core-seconds of both processes (the caller's share: one
+    rank's)."""
+    from scaleout.comm import free_port
+
+    port = free_port()
+    args = [(rank, port, list(sizes)) for rank in range(2)]
+    answers = in_processes(functools.partial(_two_ranks, call_for=call_for), args, 2)
+    (_, walls, cpus0), (_, _, cpus1) = sorted(answers, key=lambda a: a[0])
+    calls = [CallCost(wall, c0 + c1, c0) for wall, c0, c1 in zip(walls, cpus0, cpus1, strict=True)]
+    return message_cost([4 * s for s in sizes], calls)
 
 
 EXCHANGE_SIZES = (100, 1_000, 10_000, 100_000, 1_000_000)  # values each rank sends the other
 
 
-def _exchange_worker(rank: int, port: int, sizes: Sequence[int], out: Any) -> None:  # noqa: ANN401
-    """One of two gloo ranks exchanging halves of a (1, 1, 2, size) distributed array (each
-    holds a row and needs both: `size` values to the other, as a model-parallel exchange
-    moves a halo): per size, the mean wall seconds of an exchange and this process's CPU
-    seconds per exchange."""
-    import torch.distributed as dist
-
-    from scaleout.comm.darray import ExchangePlan, exchange
-    from scaleout.comm.windows import Window
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        walls, cpus = [], []
-        for size in sizes:
-            rows = [Window(range(0, 1), range(size)), Window(range(1, 2), range(size))]
-            whole = Window(range(0, 2), range(size))
-            plan = ExchangePlan.build(rank, rows, [whole, whole])
-            local = torch.randn(1, 1, 1, size)
-
-            def once(plan: ExchangePlan = plan, local: torch.Tensor = local) -> None:
-                exchange(local, plan)
-
-            for _ in range(3):
-                once()
-            began = time.perf_counter()
-            for _ in range(3):
-                once()
-            each = max((time.perf_counter() - began) / 3, 1e-6)
-            count = torch.tensor([max(9, math.ceil(ALLREDUCE_MIN_S / each))])
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            calls = int(count.item())
-            own, started = time.process_time(), time.perf_counter()
-            for _ in range(calls):
-                once()
-            walls.append((time.perf_counter() - started) / calls)
-            cpus.append((time.process_time() - own) / calls)
-        out.put((rank, walls, cpus))
-    finally:
-        dist.destroy_process_group()
-
-
 def measure_exchange(sizes: Sequence[int] = EXCHANGE_SIZES) -> MessageCost:
-    """A model-parallel exchange (`scaleout.comm.darray.exchange`, gloo all-to-all) between
-    two processes of this machine, by bytes each sends the other: wall time (cutting,
-    the collective, placing), and the core-seconds of both processes."""
-    from scaleout.comm import free_port
-
-    port = free_port()
-    answers = in_processes(_exchange_worker, [(rank, port, list(sizes)) for rank in range(2)], 2)
-    (_, walls, cpus0), (_, _, cpus1) = sorted(answers, key=lambda a: a[0])
-    calls = [CallCost(wall, c0 + c1, c0) for wall, c0, c1 in zip(walls, cpus0, cpus1, strict=True)]
-    return message_cost([4 * s for s in sizes], calls)
+    """A model-parallel exchange between two processes of this machine, by bytes each
+    sends the other (`_exchange_call`)."""
+    return _measure_two_ranks(_exchange_call, sizes)
 
 
 def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
@@ -274,12 +278,5 @@ def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> lis
 
 
 def measure_allreduce(sizes: Sequence[int] = ALLREDUCE_SIZES) -> MessageCost:
-    """A gloo all-reduce between two processes of this machine, by tensor bytes: wall time,
-    and the core-seconds of both processes (the caller's share: one rank's)."""
-    from scaleout.comm import free_port
-
-    port = free_port()
-    answers = in_processes(_allreduce_worker, [(rank, port, list(sizes)) for rank in range(2)], 2)
-    (_, walls, cpus0), (_, _, cpus1) = sorted(answers, key=lambda a: a[0])
-    calls = [CallCost(wall, c0 + c1, c0) for wall, c0, c1 in zip(walls, cpus0, cpus1, strict=True)]
-    return message_cost([4 * s for s in sizes], calls)
+    """A gloo all-reduce between two processes of this machine, by tensor bytes."""
+    return _measure_two_ranks(_allreduce_call, sizes)

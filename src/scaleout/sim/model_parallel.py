@@ -74,13 +74,9 @@ class Move:
     pairs: dict[tuple[int, int], int]
 
 
-def _pixels(window: Window) -> int:
-    return window.num_pixels
-
-
 def _shares(windows: list[Window]) -> list[float]:
-    total = sum(_pixels(w) for w in windows)
-    return [_pixels(w) / total for w in windows]
+    total = sum(w.num_pixels for w in windows)
+    return [w.num_pixels / total for w in windows]
 
 
 class GreedySchedule:
@@ -114,18 +110,15 @@ class GreedySchedule:
             raise ConfigError(f"model_parallel.grid = {list(self.grid)}: {err}") from None
         self.network = network
         self.num_stacks = len(network.stacks)
-        # per stack: FLOPs per example of one matmul, pooling, normalisation, per rank
-        self.matmul, self.pool, self.lcn = [], [], []
+        # per stack, per rank: FLOPs per example of one matmul, pooling, normalisation, and
+        # the parameters the worker updates (its filters)
+        self.matmul, self.pool, self.lcn, self.own_numel = [], [], [], []
         for stack, g, flops in zip(network.stacks, geometries, layer_flops, strict=True):
-            parts = partition_local(g, self.grid)
-            self.matmul.append([g.sub(p.units.rows, p.units.cols).matmul_flops(1) for p in parts])
+            parts = [g.sub(p.units.rows, p.units.cols) for p in partition_local(g, self.grid)]
+            self.matmul.append([part.matmul_flops(1) for part in parts])
+            self.own_numel.append([part.num_weights for part in parts])
             self.pool.append([flops["pool"] * s for s in _shares(stack.pool.output_windows)])
             self.lcn.append([flops["lcn"] * s for s in _shares(stack.lcn.output_windows)])
-        # per rank: parameters it updates (its filters of each stack)
-        self.own_numel = [
-            [g.sub(p.units.rows, p.units.cols).num_weights for p in partition_local(g, self.grid)]
-            for g in geometries
-        ]
 
     def _compute(self, what: str, per_example: list[float], times: float = 1.0) -> Compute:
         return Compute(what, tuple(round(times * f * self.batch) for f in per_example))
@@ -223,8 +216,8 @@ class ModelParallelSim:
         yield from self.cluster.machines[self.machine_of[rank]].compute(seconds, self.threads)
 
     def _piece(self, source: int, dest: int, nbytes: int, kind: str) -> Process:
-        """A piece to a worker of another machine, over the links (fallback: any piece,
-        priced as a ring step when the calibration has no exchange)."""
+        """One piece of an exchange when the calibration has no measured exchange: over
+        the links between machines, as a ring step of its all-reduce within one."""
         a, b = self.machine_of[source], self.machine_of[dest]
         if a == b and self.cal.allreduce is None:
             raise ConfigError(
