@@ -158,7 +158,9 @@ def test_parse_link():
         parse_link("fast")
 
 
-def config(num_replicas=1, num_shards=1, steps=20, codec="fp32", n_fetch=1, n_push=1):
+def config(
+    num_replicas=1, num_shards=1, steps=20, codec="fp32", n_fetch=1, n_push=1, threads=False
+):
     return config_from_dict(
         {
             "run": {"name": "sim", "num_threads": 1},
@@ -181,6 +183,7 @@ def config(num_replicas=1, num_shards=1, steps=20, codec="fp32", n_fetch=1, n_pu
                 "n_push": n_push,
                 "warmstart_steps": 0,
                 "shard_checkpoint_every": 10_000,
+                "threads": threads,
             },
             "compress": {"codec": codec},
         }
@@ -232,6 +235,47 @@ def test_one_replica_one_shard_closed_form():
     assert result.run_s == pytest.approx(expected, rel=1e-9)
     assert result.extra["pushes"] == 20 and result.extra["pulls"] == 20
     assert result.wire_bytes == 0  # one machine: nothing crosses a network
+
+
+def test_threads_hide_communication_behind_compute():
+    """Threads mode with cores to spare: the compute thread only waits for its two copies
+    per three steps (the fetched parameters in, the gradient out) while fetches and pushes
+    run beside it; without threads each step pays its share of a fetch, a push and the
+    push's update. Both pay the same chunk hand-outs and answers. Every push is sent; the
+    threads fetch once at the start and then every third step."""
+    steps, n = 60, 3
+    results = {}
+    for threads in (False, True):
+        cfg = config(steps=steps, n_fetch=n, n_push=n, threads=threads)
+        cal = calibration(cfg, cores=8)
+        results[threads] = DownpourSim(cfg, Setting(cal, machines=1)).run()
+    threaded, plain = results[True], results[False]
+    copy = 4 * NUM_PARAMETERS / cal.flatten_bytes_per_s
+    nbytes = 4 * NUM_PARAMETERS
+    pull = cal.pull.fixed_s + nbytes / cal.pull.bytes_per_s
+    push_wall = cal.push.fixed_s + nbytes / cal.push.bytes_per_s
+    push = push_wall / 2  # the caller's half
+    # without threads the fetch after a push waits in the shard's queue for its update
+    apply = push_wall / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)
+    step_s = {t: 64 / r.steady_examples_per_s for t, r in results.items()}
+    assert step_s[False] - step_s[True] == pytest.approx((pull + push + apply - 2 * copy) / n)
+    assert threaded.extra["pushes"] == plain.extra["pushes"] == steps // n
+    # the start's fetch, then one asked every n steps (the client's start counts as one)
+    assert threaded.extra["pulls"] == 1 + steps // n
+
+
+def test_threads_wait_for_a_fetch_after_two_rounds_on_the_same_parameters():
+    """A fetch slower than 2 * n_fetch steps: the compute thread asks for the next fetch
+    while one runs, so the fetch thread fetches back to back, and the compute thread runs
+    its 2 * n_fetch steps on each fetch's parameters and waits for the next."""
+    steps, n = 80, 2
+    cfg = config(steps=steps, n_fetch=n, n_push=1000, threads=True)
+    cal = calibration(cfg, cores=8)
+    cal.pull = MessageCost(fixed_s=0.001, bytes_per_s=1e6)  # 0.1 s >> 2 * n steps of 0.010 s
+    result = DownpourSim(cfg, Setting(cal, machines=1)).run()
+    copy = 4 * NUM_PARAMETERS / cal.flatten_bytes_per_s
+    fetch = cal.pull.fixed_s + 4 * NUM_PARAMETERS / cal.pull.bytes_per_s + copy
+    assert result.steady_examples_per_s == pytest.approx(2 * n * 64 / fetch, rel=1e-6)
 
 
 def test_replicas_on_machines_cross_the_link():

@@ -150,7 +150,19 @@ def test_a_message_is_encode_latency_bytes_decode():
     assert coded == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("name", ["cots_hpc", "distbelief", "dettmers_pcie"])
+@pytest.mark.parametrize("name", ["cots_hpc", "distbelief", "dettmers_pcie", "ding_titan"])
 def test_the_papers_hardware_files_load(name):
     cal = Calibration.load(f"configs/hardware/{name}.json")
     assert cal.flops_per_s and cal.notes["not pinned by the paper"]
+
+
+def test_ding_hardware_reproduces_the_columns_it_was_fitted_to():
+    """The Titan file's compute and loading come from table 1's 1-GPU columns: simulated,
+    they give those columns back; two GPUs are faster, and parallel loading helps both."""
+    from scaleout.bench.sim_papers import DING_TABLE, ding
+
+    table = ding()
+    for gpus_loading in [(1, True), (1, False)]:
+        assert table[gpus_loading] == pytest.approx(DING_TABLE[gpus_loading], rel=1e-3)
+    assert table[(2, True)] < table[(1, True)] and table[(2, False)] < table[(1, False)]
+    assert table[(2, True)] < table[(2, False)]

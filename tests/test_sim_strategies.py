@@ -184,6 +184,48 @@ def test_sync_average_every_two_steps():
     assert result.examples_per_s == pytest.approx(steps * 128 / trained, rel=REL)
 
 
+@pytest.mark.parametrize(("loader_workers", "load_share"), [(0, 0.2), (1, 0.2), (1, 0.9)])
+def test_sync_parallel_loading(loader_workers, load_share):
+    """One worker, loading a part of its calibrated step: in the step itself without loader
+    processes; with one, beside the step on the machine's other core, so a step takes the
+    longer of the two (the first waits for its batch; 40 steps less 20 cancel it). Loading
+    can be at most forward's share of the step."""
+    overrides = ["sync.num_workers=1", f"loader.workers={loader_workers}"]
+    config = load_config("configs/mnist_sync.toml", overrides)
+    cal = calibration(config, N_PARAMS, 1e-3)
+    cal.models[model_key(config)].load_s = load_share * 1e-3
+    step = 1e-3 * 128
+    load = min(load_share, 1 / 3) * step
+    trained = {}
+    for steps in (20, 40):
+        setting = Setting(cal, machines=1, cores=2, link=Link(1e9, 0.0), steps=steps)
+        result = SyncSim(config, setting).run()
+        trained[steps] = steps * 128 / result.steady_examples_per_s
+    expected = step if loader_workers == 0 else max(step - load, load)
+    assert (trained[40] - trained[20]) / 20 == pytest.approx(expected, rel=REL)
+
+
+def test_sync_average_priced_by_the_measured_average():
+    """Two workers of one machine average weights and momentum every step: the measured
+    two-process `average_tensors` (all-reduce and the local work around it), not one
+    process's flattening speed."""
+    overrides = ['sync.mode="average"']
+    config = load_config("configs/mnist_sync.toml", overrides)
+    allreduce = MessageCost(fixed_s=1e-3, bytes_per_s=1e9)
+    cal = calibration(config, N_PARAMS, 1e-3, allreduce=allreduce, flatten_bytes_per_s=1e30)
+    cal.average = MessageCost(fixed_s=2e-3, bytes_per_s=4e8)
+    setting = Setting(cal, machines=1, cores=2, link=Link(1e9, 0.0), steps=4)
+    result = SyncSim(config, setting).run()
+    nbytes = 4 * N_PARAMS * 2  # parameters and momentum
+    local = cal.average.seconds(nbytes) - allreduce.seconds(nbytes)
+    assert local > 0
+    # a two-rank ring on one machine takes the calibrated all-reduce (no core measured:
+    # each rank's call keeps one core busy, so the two fit on the two cores)
+    per_step = 1e-3 * 64 + local + allreduce.seconds(nbytes)
+    assert per_step == pytest.approx(1e-3 * 64 + cal.average.seconds(nbytes), rel=REL)
+    assert 4 * 128 / result.steady_examples_per_s == pytest.approx(4 * per_step, rel=REL)
+
+
 def test_ddp_buckets_match_torch():
     """The buckets DDP itself builds (from its second step) for two MLPs."""
     dist = pytest.importorskip("torch.distributed")

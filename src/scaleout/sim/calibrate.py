@@ -15,7 +15,9 @@ box drifts):
   at the sizes the configs send, in wall time and in the core-seconds all of the machine's
   processes spend on them (a call keeps more than one core busy, which a loaded machine
   feels); a model-parallel exchange between two processes by size;
-- a checkpoint write per byte, and the local part of sync's weight averaging per byte.
+- sync's weight averaging (`average_tensors`) between two processes by size;
+- a checkpoint write per byte, and the local part of sync's weight averaging per byte
+  (one process alone, for calibrations without the two-process measurement).
 
 The simulator prices every event from these numbers (`Calibration`).
 """
@@ -36,7 +38,9 @@ import torch
 from scaleout.sim.calibration import Calibration, CodecCost
 from scaleout.sim.measure_calls import (
     allreduce_sizes,
+    average_sizes,
     measure_allreduce,
+    measure_average,
     measure_exchange,
     measure_shard_messages,
     shard_message_sizes,
@@ -144,6 +148,8 @@ def calibrate(
         pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
     say("gloo all-reduce between two processes")
     allreduce = measure_allreduce(allreduce_sizes(configs, models))
+    say("sync's weight averaging between two processes")
+    average = measure_average(average_sizes(configs, models))
     say("model-parallel exchanges between two processes")
     exchange = measure_exchange()
     say("checkpoint writes")
@@ -159,6 +165,7 @@ def calibrate(
         pull=pull,
         push=push,
         allreduce=allreduce,
+        average=average,
         exchange=exchange,
         checkpoint_bytes_per_s=checkpoint,
         flatten_bytes_per_s=flatten,

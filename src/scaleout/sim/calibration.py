@@ -180,19 +180,23 @@ class Calibration(_Model):
     date: str = ""
     cores: PositiveInt
     flops_per_s: PositiveFloat | None = None  # a core's effective FLOP/s on dense layers
+    # a hardware file's data loading, seconds per example, for the models it prices by FLOPs
+    load_s: float = Field(default=0.0, ge=0)
     models: dict[str, ModelCost] = {}
     apply_ns: dict[str, float] = {}  # optimizer -> ns per value of a shard's update
     codecs: dict[str, CodecCost] = {}
     pull: MessageCost  # a shard's slice to a replica (fp32), per shard call
     push: MessageCost  # a replica's gradient slice into the object store, per shard call
     allreduce: MessageCost | None = None  # gloo, two processes: per byte of the tensor
+    # sync "average" mode's `average_tensors` between two processes: per byte of the tensors
+    average: MessageCost | None = None
     # a model-parallel exchange between two processes of one machine, by bytes each sends
     # the other (gloo all-to-all with the cutting and placing around it; a hardware file:
     # a copy between two GPUs of one server)
     exchange: MessageCost | None = None
     checkpoint_bytes_per_s: PositiveFloat = 200e6
     # flatten a list of tensors, scale it and copy it back (sync "average" mode's work
-    # around its all-reduce), bytes of the tensors per second
+    # around its all-reduce, one process alone), bytes of the tensors per second
     flatten_bytes_per_s: PositiveFloat = 1e9
     # cores that Ray's own processes (raylet, GCS, workers' heartbeats) keep busy when idle
     idle_cores: float = Field(default=0.0, ge=0)
@@ -242,8 +246,9 @@ class Calibration(_Model):
             num_parameters=num_parameters,
             forward_flops=forward_flops,
             batch_size=1,
-            train_s={1: per_example},
+            train_s={1: per_example + self.load_s},  # a step's cost includes its loading
             eval_s=per_example / 3,
+            load_s=self.load_s,
         )
 
     def _flop_rate(self) -> float | None:

@@ -12,6 +12,13 @@ What runs, as the library runs it:
 - a replica (`ReplicaClient`, threads off) fetches every `n_fetch` steps from all shards at
   once, computes a step, and every `n_push` steps waits until its previous push is applied,
   encodes its gradient per shard, puts it into the object store and goes on;
+- with `downpour.threads` (`ps.client._Pipeline`) a replica's fetch and push run in threads
+  of their own beside its compute, on its machine's cores: the fetch thread pulls all shards
+  whenever `n_fetch` steps have passed since it was last asked, into a buffer the compute
+  thread copies in before its next step (and waits for after `2 * n_fetch` steps on the same
+  parameters); every `n_push` steps the compute thread copies its gradient into a queue of
+  two that the push thread sends from (encode, a call per shard) without waiting for the
+  shards to apply it. Every replica's threads start with the run and fetch once;
 - a shard (`ParameterShard`) is one actor: pulls and pushes queue and are served one at a
   time on its machine's cores (decode, optimizer step); it checkpoints every
   `shard_checkpoint_every` updates.
@@ -74,6 +81,21 @@ class _Shard:
 
 
 @dataclass
+class _Threads:
+    """A replica's fetch and push threads (`downpour.threads`)."""
+
+    outbox: simpy.Store  # the push thread's queue of two (the base versions of each push)
+    fresh: simpy.Event  # triggered while fetched parameters wait to be adopted
+    stopped: simpy.Event  # the push thread took the last item
+    wake: simpy.Event | None = None  # the fetch thread waits on it for `due`
+    due: bool = True  # a fetch was asked for
+    fresh_versions: list[int] | None = None
+    adopted: int = 0  # parameters adopted so far
+    steps_on_current: int = 0
+    steps_since_fetch: int = 0
+
+
+@dataclass
 class _Replica:
     index: int
     machine: int
@@ -82,6 +104,7 @@ class _Replica:
     compute_s: float = 0.0
     pending: list[simpy.Event] = field(default_factory=list)
     free: simpy.Event | None = None  # set when its current chunk ends
+    threads: _Threads | None = None
 
 
 class DownpourSim:
@@ -183,11 +206,16 @@ class DownpourSim:
         wall, cpu = cost.sides(nbytes)[0 if caller else 1]
         yield from self.cluster.machines[machine].call(wall, cpu)
 
-    def _pull(self, replica: _Replica, shard: _Shard, kind: str = "pull") -> Process:
+    def _pull(
+        self, replica: _Replica, shard: _Shard, versions: list[int] | None, kind: str = "pull"
+    ) -> Process:
+        """One shard's slice to the replica; its version into `versions` (None: a look that
+        the next push's staleness ignores)."""
         nbytes = self.pull_bytes[shard.index]
         # the shard puts its slice into the object store
         yield from self._serve(shard, self._call(shard.machine, self.cal.pull, nbytes, False))
-        replica.versions[shard.index] = shard.version
+        if versions is not None:
+            versions[shard.index] = shard.version
         yield from self.cluster.send(shard.machine, replica.machine, nbytes, kind)
         # the Ray call and the copy into the parameters
         yield from self._call(replica.machine, self.cal.pull, nbytes, caller=True)
@@ -215,23 +243,90 @@ class DownpourSim:
 
     # --- a replica's steps -----------------------------------------------------------------
 
-    def _fetch(self, replica: _Replica) -> Process:
+    def _fetch(self, replica: _Replica, versions: list[int]) -> Process:
         self.pulls += 1
-        yield self.env.all_of([self.env.process(self._pull(replica, s)) for s in self.shards])
+        pulls = [self.env.process(self._pull(replica, s, versions)) for s in self.shards]
+        yield self.env.all_of(pulls)
 
     def _push(self, replica: _Replica) -> Process:
+        """A push from the compute thread (threads off, or a flush)."""
         if replica.pending:  # the previous push must be applied first (`_collect(wait=True)`)
             yield self.env.all_of(replica.pending)
+        replica.pending = []
+        yield from self._send(replica, list(replica.versions))
+
+    def _send(self, replica: _Replica, versions: list[int]) -> Process:
+        """Encode the gradient per shard and put each slice into the object store; the
+        shards apply them meanwhile (`replica.pending`)."""
         machine = self.cluster.machines[replica.machine]
         encode = sum(self.cal.codec_s(self.codec, s.numel, "encode") for s in self.shards)
         yield from machine.work(encode)
         for nbytes in self.push_bytes:  # into the object store, a call per shard
             yield from self._call(replica.machine, self.cal.push, nbytes, caller=True)
         self.pushes += 1
-        versions = list(replica.versions)
-        replica.pending = [
+        replica.pending += [
             self.env.process(self._apply(replica, s, versions[s.index])) for s in self.shards
         ]
+
+    # --- threads mode ----------------------------------------------------------------------
+
+    def _copy(self, replica: _Replica) -> Process:
+        """One copy of the whole model's values on the replica's machine."""
+        seconds = 4 * self.numel / self.cal.flatten_bytes_per_s
+        yield from self.cluster.machines[replica.machine].work(seconds)
+
+    def _start_threads(self, replica: _Replica) -> None:
+        env = self.env
+        replica.threads = _Threads(simpy.Store(env, capacity=2), env.event(), env.event())
+        env.process(self._fetch_thread(replica, replica.threads))
+        env.process(self._push_thread(replica, replica.threads))
+
+    def _fetch_thread(self, replica: _Replica, threads: _Threads) -> Process:
+        while True:
+            if not threads.due:
+                threads.wake = self.env.event()
+                yield threads.wake
+            threads.due = False
+            versions = list(replica.versions)
+            yield from self._fetch(replica, versions)
+            yield from self._copy(replica)  # the fetched buffer into `fresh`
+            threads.fresh_versions = versions
+            if not threads.fresh.triggered:
+                threads.fresh.succeed()
+
+    def _push_thread(self, replica: _Replica, threads: _Threads) -> Process:
+        while (versions := (yield threads.outbox.get())) is not None:
+            yield from self._send(replica, versions)
+        threads.stopped.succeed()
+
+    def _adopt(self, replica: _Replica, threads: _Threads) -> Process:
+        """The compute thread before a step: the newest fetched parameters, if any (waiting
+        for them after `2 * n_fetch` steps on the same ones, or for the first fetch)."""
+        n_fetch = self.opts.n_fetch
+        first = threads.adopted == 0
+        if first or threads.steps_on_current >= 2 * n_fetch:
+            yield threads.fresh
+        for _ in range(2 if first else 1):  # the client adopts once more as it starts
+            if threads.fresh_versions is not None:
+                yield from self._copy(replica)
+                replica.versions = threads.fresh_versions
+                threads.fresh_versions = None
+                threads.fresh = self.env.event()
+                threads.adopted += 1
+                threads.steps_on_current = 0
+            threads.steps_on_current += 1
+            threads.steps_since_fetch += 1
+            if threads.steps_since_fetch >= n_fetch:
+                threads.steps_since_fetch = 0
+                threads.due = True
+                if threads.wake is not None and not threads.wake.triggered:
+                    threads.wake.succeed()
+
+    def _hand_over(self, replica: _Replica, threads: _Threads) -> Process:
+        """The compute thread's push: a copy of the gradient into the push thread's queue
+        (waiting while two are queued)."""
+        yield from self._copy(replica)
+        yield threads.outbox.put(list(replica.versions))
 
     def _driver_turn(self) -> Process:
         """The driver's one thread (on machine 0) makes or takes one call of a chunk: hands
@@ -250,16 +345,22 @@ class DownpourSim:
         yield from self._driver_turn()
         machine = self.cluster.machines[replica.machine]
         step_s = self.cost.step_s(self.train.batch_size, self.threads)
+        threads = replica.threads
         for _ in range(steps):
-            if replica.steps % self.opts.n_fetch == 0:
-                yield from self._fetch(replica)
+            if threads is not None:
+                yield from self._adopt(replica, threads)
+            elif replica.steps % self.opts.n_fetch == 0:
+                yield from self._fetch(replica, replica.versions)
             started = self.env.now
             yield from machine.compute(step_s, self.threads)
             replica.compute_s += self.env.now - started
             replica.steps += 1
             self.step_ends.append(self.env.now)
             if replica.steps % self.opts.n_push == 0:
-                yield from self._push(replica)
+                if threads is not None:
+                    yield from self._hand_over(replica, threads)
+                else:
+                    yield from self._push(replica)
         _, (wall, cpu) = self.cal.pull.sides(0)  # the answer: a call's callee side, no payload
         yield from machine.call(wall, cpu)
         yield from self._driver_turn()
@@ -267,7 +368,7 @@ class DownpourSim:
     def _look(self, replica: _Replica) -> Process:
         """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a
         pull of training, so its bytes count as "look"."""
-        pulls = [self.env.process(self._pull(replica, s, "look")) for s in self.shards]
+        pulls = [self.env.process(self._pull(replica, s, None, "look")) for s in self.shards]
         yield self.env.all_of(pulls)
 
     def _evaluate(self, replica: _Replica) -> Process:
@@ -341,11 +442,19 @@ class DownpourSim:
             self.times.append((env.now, self.examples))
         for proc in in_flight.values():  # chunks still running end with the run
             yield proc
-        for replica in self.replicas:  # `flush`: what is left is pushed, and applied
-            if replica.steps % opts.n_push:
-                yield from self._push(replica)
-            yield env.all_of(replica.pending)
+        flushes = [env.process(self._flush(replica)) for replica in self.replicas]
+        yield env.all_of(flushes)
         self.times.append((env.now, self.examples))
+
+    def _flush(self, replica: _Replica) -> Process:
+        """`flush`: the push thread sends what is queued and stops; what is left is pushed,
+        and every push applied."""
+        if replica.threads is not None:
+            yield replica.threads.outbox.put(None)
+            yield replica.threads.stopped
+        if replica.steps % self.opts.n_push:
+            yield from self._push(replica)
+        yield self.env.all_of(replica.pending)
 
     def _mark(self) -> None:
         """Utilisation from here on: the warm start's one replica would hide the bottleneck
@@ -398,6 +507,9 @@ class DownpourSim:
 
     def run(self) -> Result:
         total = self.total_steps()
+        if self.opts.threads:
+            for replica in self.replicas:
+                self._start_threads(replica)
         driver = self.env.process(self._driver(total))
         self.env.run(until=driver)
         return self._result(total)

@@ -22,6 +22,8 @@ from scaleout.sim.measuring import fit_line, in_processes, model_key
 MESSAGE_SIZES = (65_536, 1_048_576, 4_194_304)  # values (float32)
 ALLREDUCE_SIZES = (16_384, 65_536, 262_144, 1_048_576, 4_194_304)
 ALLREDUCE_MIN_S = 0.5  # of all-reduces per size
+AVERAGE_SIZES = (262_144, 1_048_576, 4_194_304)
+AVERAGE_PIECES = 8  # tensors averaged together (a small network's weights and state)
 
 
 def busy_cores_s() -> float | None:
@@ -221,6 +223,16 @@ def _allreduce_call(rank: int, size: int) -> Callable[[], None]:
     return lambda: dist.all_reduce(x)
 
 
+def _average_call(rank: int, size: int) -> Callable[[], None]:
+    """Sync "average" mode's `average_tensors` of `size` values in `AVERAGE_PIECES`
+    tensors: flattened, all-reduced, scaled and copied back."""
+    from scaleout.parallel import average_tensors
+
+    base, extra = divmod(size, AVERAGE_PIECES)
+    tensors = [torch.randn(base + (1 if i < extra else 0)) for i in range(AVERAGE_PIECES)]
+    return lambda: average_tensors(tensors)
+
+
 def _exchange_call(rank: int, size: int) -> Callable[[], None]:
     """An exchange of a (1, 1, 2, size) distributed array: each rank holds a row and needs
     both, so it sends `size` values to the other, as a model-parallel exchange moves a
@@ -280,3 +292,23 @@ def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> lis
 def measure_allreduce(sizes: Sequence[int] = ALLREDUCE_SIZES) -> MessageCost:
     """A gloo all-reduce between two processes of this machine, by tensor bytes."""
     return _measure_two_ranks(_allreduce_call, sizes)
+
+
+def average_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
+    """Values per `average_tensors` to measure: `AVERAGE_SIZES`, and what the configs' sync
+    runs in "average" mode average (weights and optimizer state every step; the weights for
+    an evaluation)."""
+    from scaleout.nn.optim import STATE_BUFFERS
+
+    sizes = set(AVERAGE_SIZES)
+    for config in configs:
+        if config.train.strategy == "sync" and config.sync.mode == "average":
+            numel = models[model_key(config)].num_parameters
+            sizes.update({numel, numel * (1 + STATE_BUFFERS[config.train.optimizer])})
+    return sorted(sizes)
+
+
+def measure_average(sizes: Sequence[int] = AVERAGE_SIZES) -> MessageCost:
+    """Sync's `average_tensors` between two processes of this machine, by tensor bytes:
+    the all-reduce and the local work around it, both ranks' copies at once."""
+    return _measure_two_ranks(_average_call, sizes)

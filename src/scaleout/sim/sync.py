@@ -7,6 +7,11 @@ What runs, as the library runs it (`Lockstep` driver, `Worker.train_chunk`):
 - a step: every worker computes forward and backward on its slice of `train.batch_size`
   (`batch // workers` examples, `ModelCost.step_s` at `run.num_threads` threads; forward is
   the first third of it, backward the other `BACKWARD_FRACTION`);
+- loading (`ModelCost.load_s` per example, within the step's cost): with `loader.workers =
+  0` the worker loads its slice itself before forward; otherwise a loader process on the
+  worker's machine prepares the next slice while the step runs (Ding et al.'s parallel
+  loading), keeping up to `loader.workers` cores busy, and the worker waits for it only
+  when loading is the slower;
 - mode "allreduce" (DDP): the gradient travels in DDP's buckets (`ddp_buckets`: from the
   tensors' sizes, as DDP rebuilds them after its first step: 1 MiB first, then at most
   `bucket_cap_mb` MiB, DDP's default 25; gradients come in reverse layer order, a bucket is
@@ -20,7 +25,9 @@ What runs, as the library runs it (`Lockstep` driver, `Worker.train_chunk`):
 - mode "average": every worker steps with its own optimizer; every `average_every` steps one
   fp32 ring all-reduce averages parameters and optimizer state (`4 * params * (1 + state
   floats per parameter)` bytes: sgd 0, momentum, adagrad and rmsprop 1, adam 2; floating
-  buffers such as BatchNorm statistics are not counted);
+  buffers such as BatchNorm statistics are not counted); the flattening, scaling and
+  copying back around it is priced from the measured two-process `average_tensors` less
+  the measured all-reduce (`Calibration.average`);
 - an evaluation runs on rank 0 (after averaging the weights in "average" mode); a checkpoint
   (after averaging in "average" mode) writes rank 0's model and optimizer.
 
@@ -228,6 +235,11 @@ class SyncSim:
         self.where = [w % machines for w in range(self.num_workers)]
         self.numel = self.cost.num_parameters
         self.step_s = self.cost.step_s(self.train.batch_size // self.num_workers, self.threads)
+        self.loader_workers = config.loader.workers
+        # the slice's loading, part of step_s; done beside the step by a loader process
+        self.load_s = self.cost.load_s * (self.train.batch_size // self.num_workers)
+        self.load_s = min(self.load_s, self.step_s * (1 - BACKWARD_FRACTION))
+        self.loading: list[simpy.Process | None] = [None] * self.num_workers
         self.codec = config.compress.codec
         self.block_size = config.compress.block_size or 0
         cap = int(bucket_cap_mb * 1024 * 1024)
@@ -291,13 +303,33 @@ class SyncSim:
         yield from self.cluster.machines[self.where[worker]].compute(seconds, self.threads)
         self.compute_s[worker] += self.env.now - started
 
+    def _next_slice(self, worker: int) -> Process:
+        """Wait for the worker's slice of the batch from its loader process, which then
+        starts on the next one; the seconds of forward left to compute (loading is a part
+        of forward's calibrated cost)."""
+        forward = self.step_s * (1 - BACKWARD_FRACTION)
+        if self.loader_workers == 0 or self.load_s <= 0:
+            return forward
+        cores = self.cluster.machines[self.where[worker]].cores
+        load = lambda: cores.run(self.load_s, self.loader_workers)  # noqa: E731
+        loading = self.loading[worker] or self.env.process(load())
+        yield loading
+        self.loading[worker] = self.env.process(load())
+        return forward - self.load_s
+
     def _worker_pass(self, worker: int, ready: list[list[simpy.Event]]) -> Process:
         """Forward, then backward bucket by bucket (each ready when its share is done)."""
-        yield from self._compute(worker, self.step_s * (1 - BACKWARD_FRACTION))
+        forward = yield from self._next_slice(worker)
+        yield from self._compute(worker, forward)
         backward = self.step_s * BACKWARD_FRACTION
         for b, numel in enumerate(self.buckets):
             yield from self._compute(worker, backward * numel / self.numel)
             ready[b][worker].succeed()
+
+    def _whole_step(self, worker: int) -> Process:
+        """Forward and backward without buckets (mode "average")."""
+        forward = yield from self._next_slice(worker)
+        yield from self._compute(worker, forward + self.step_s * BACKWARD_FRACTION)
 
     def _communicate(self, ready: list[list[simpy.Event]]) -> Process:
         for b, numel in enumerate(self.buckets):
@@ -319,9 +351,7 @@ class SyncSim:
             self.exposed.append(env.now - computed)
             yield from self._optimizer()
         else:
-            yield env.all_of(
-                [env.process(self._compute(w, self.step_s)) for w in range(self.num_workers)]
-            )
+            yield env.all_of([env.process(self._whole_step(w)) for w in range(self.num_workers)])
             yield from self._optimizer()
             if (self.step + 1) % self.opts.average_every == 0:
                 averaging = env.now
@@ -339,10 +369,22 @@ class SyncSim:
         yield self.env.timeout(self.cal.pull.fixed_s)  # the answers
         self.train_s += self.env.now - started
 
+    def _average_local_s(self, nbytes: int) -> float:
+        """A worker's local work in `average_tensors` of `nbytes` (flatten, scale, copy
+        back): the measured two-process average less the measured all-reduce (both ranks
+        copying at once, as they do), else one process's flattening alone."""
+        average, allreduce = self.cal.average, self.cal.allreduce
+        if average is not None and allreduce is not None:
+            return max(average.seconds(nbytes) - allreduce.seconds(nbytes), 0.0)
+        return nbytes / self.cal.flatten_bytes_per_s
+
     def _average(self, nbytes: int) -> Process:
         """`average_tensors`: every worker flattens its tensors, the flat copy is
-        all-reduced, then scaled and copied back (local work on each worker's cores)."""
-        half = nbytes / self.cal.flatten_bytes_per_s / 2
+        all-reduced, then scaled and copied back (local work on each worker's cores); one
+        worker has nothing to average."""
+        if self.num_workers == 1:
+            return
+        half = self._average_local_s(nbytes) / 2
         yield from self._on_every_worker(half)
         yield from self._allreduce(nbytes)
         yield from self._on_every_worker(half)
