@@ -259,6 +259,9 @@ def test_threads_hide_communication_behind_compute():
     apply = push_wall / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)
     step_s = {t: 64 / r.steady_examples_per_s for t, r in results.items()}
     assert step_s[False] - step_s[True] == pytest.approx((pull + push + apply - 2 * copy) / n)
+    # the compute thread's time per step in pushes: a call per shard, or a copy
+    assert plain.extra["replica_step_s"]["push"] == pytest.approx(push / n)
+    assert threaded.extra["replica_step_s"]["push"] == pytest.approx(copy / n)
     assert threaded.extra["pushes"] == plain.extra["pushes"] == steps // n
     # the start's fetch, then one asked every n steps (the client's start counts as one)
     assert threaded.extra["pulls"] == 1 + steps // n

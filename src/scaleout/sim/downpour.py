@@ -101,7 +101,10 @@ class _Replica:
     machine: int
     versions: list[int]
     steps: int = 0
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # since the warm start: computing,
+    fetch_s: float = 0.0  # fetching (or adopting fetched parameters),
+    push_s: float = 0.0  # pushing (or handing a push over), in its compute thread
+    steady_steps: int = 0
     pending: list[simpy.Event] = field(default_factory=list)
     free: simpy.Event | None = None  # set when its current chunk ends
     threads: _Threads | None = None
@@ -347,13 +350,14 @@ class DownpourSim:
         step_s = self.cost.step_s(self.train.batch_size, self.threads)
         threads = replica.threads
         for _ in range(steps):
+            started = self.env.now
             if threads is not None:
                 yield from self._adopt(replica, threads)
             elif replica.steps % self.opts.n_fetch == 0:
                 yield from self._fetch(replica, replica.versions)
-            started = self.env.now
+            computing = self.env.now
             yield from machine.compute(step_s, self.threads)
-            replica.compute_s += self.env.now - started
+            pushing = self.env.now
             replica.steps += 1
             self.step_ends.append(self.env.now)
             if replica.steps % self.opts.n_push == 0:
@@ -361,6 +365,10 @@ class DownpourSim:
                     yield from self._hand_over(replica, threads)
                 else:
                     yield from self._push(replica)
+            replica.fetch_s += computing - started
+            replica.compute_s += pushing - computing
+            replica.push_s += self.env.now - pushing
+            replica.steady_steps += 1
         _, (wall, cpu) = self.cal.pull.sides(0)  # the answer: a call's callee side, no payload
         yield from machine.call(wall, cpu)
         yield from self._driver_turn()
@@ -476,7 +484,8 @@ class DownpourSim:
         for shard in self.shards:
             shard.busy = 0.0
         for replica in self.replicas:
-            replica.compute_s = 0.0
+            replica.compute_s = replica.fetch_s = replica.push_s = 0.0
+            replica.steady_steps = 0
         self.driver_busy = 0.0
 
     def _count_represented(self) -> None:
@@ -553,8 +562,20 @@ class DownpourSim:
                 "staleness_mean": statistics.mean(stale),
                 "staleness_max": max(stale),
                 "staleness_histogram": _histogram(stale),
+                # a replica's compute thread per step after the warm start, as pushes.jsonl
+                # has it per push (compute_s, fetch_s, push_s)
+                "replica_step_s": self._replica_step_s(),
             },
         )
+
+    def _replica_step_s(self) -> dict[str, float]:
+        active = [r for r in self.replicas if r.steady_steps]
+        if not active:
+            return {}
+        return {
+            part: statistics.mean(getattr(r, f"{part}_s") / r.steady_steps for r in active)
+            for part in ("compute", "fetch", "push")
+        }
 
 
 def _histogram(values: list[int]) -> dict[str, int]:

@@ -5,6 +5,7 @@ loader and the optimizer's step (`ModelCost`)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -15,6 +16,8 @@ from scaleout.sim.measuring import in_processes, timed
 
 MAX_FIXED_FRACTION = 0.9
 THREAD_ROUNDS = 5
+SAMPLE_S = 0.25  # at least, per timed sample of steps: a small model's few-ms steps drift
+MAX_STEPS = 400
 
 
 class _Stepper:
@@ -170,7 +173,9 @@ def measure_ddp(config: Any, rounds: int = 7) -> float:  # noqa: ANN401
 
 def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noqa: ANN401
     """A training step per example of `config`'s model at 1..`cores` threads, and of one
-    1-thread process among 1..`cores` stepping at once; DDP's own cost for a sync config."""
+    1-thread process among 1..`cores` stepping at once; DDP's own cost for a sync config.
+    `steps`: at least, per measurement; more for a fast model, so that each timed sample
+    lasts `SAMPLE_S` (half of them per sample)."""
     from scaleout.info import describe_model
     from scaleout.nn.optim import build_optimizer
 
@@ -179,6 +184,9 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
     saved = torch.get_num_threads()
     try:
         model.train()
+        torch.set_num_threads(1)
+        probe = timed(stepper.step, repeats=3, warmup=1)
+        steps = min(max(steps, 2 * math.ceil(SAMPLE_S / probe)), MAX_STEPS)
         # rounds over the thread counts: this box's step drifts by 10-20% within seconds,
         # so every count is sampled across the same span
         samples: dict[int, list[float]] = {t: [] for t in range(1, cores + 1)}
