@@ -135,6 +135,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     configs = [load_config(path, list(args.set)) for path in args.configs or [DEMO_CONFIG]]
     calibration = calibrate(configs, say=lambda line: err.print(f"measuring {line}"))
+    if args.testnet:
+        from scaleout.bench.testnet import measure_link
+        from scaleout.sim.calibration import LinkCost
+
+        err.print(f"measuring a link between two testnet hosts at {args.testnet}")
+        bytes_per_s, latency_s = measure_link(args.testnet)
+        calibration.link = LinkCost(bytes_per_s=bytes_per_s, latency_s=latency_s)
+        calibration.notes["link"] = f"two ../shared/tools/testnet hosts at {args.testnet}"
     path = calibration.save(args.out)
     out.print(f"wrote {path}")
     return 0
@@ -270,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="as `scaleout train`, for every config (e.g. model.sizes=[784,256,10])",
     )
+    calibrate.add_argument(
+        "--testnet",
+        metavar="RATE",
+        help="also measure a link between two ../shared/tools/testnet hosts at RATE (1gbit); "
+        "`simulate --link calibrated` uses it (needs root)",
+    )
     calibrate.set_defaults(handler=_calibrate)
 
     simulate = verbs.add_parser(
@@ -278,7 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("config", type=Path, help="run config (TOML)")
     simulate.add_argument("--machines", default="1", help="machine counts, e.g. 1,2,4,8")
     simulate.add_argument(
-        "--link", default="1gbit", help="100mbit, 1gbit, 10gbit, ib56 or a rate (250mbit)"
+        "--link",
+        default="1gbit",
+        help="100mbit, 1gbit, 10gbit, ib56, a rate (250mbit), or calibrated (the link "
+        "`calibrate --testnet` measured)",
     )
     simulate.add_argument("--latency", type=float, help="one-way link latency in seconds")
     simulate.add_argument("--cores-per-machine", type=float, help="default: this machine's")

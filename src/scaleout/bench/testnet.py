@@ -115,6 +115,40 @@ class TestnetCluster:
         return pids
 
 
+def measure_link(rate: str, port: int = 5599) -> tuple[float, float]:
+    """(bytes/s, one-way latency in s) of the link between two testnet hosts at `rate`:
+    `scaleout.sim.measure_link` serves in host 1 and probes from host 0."""
+    reason = available()
+    if reason is not None:
+        raise RuntimeError(f"cannot measure a testnet link: {reason}")
+    env = {**os.environ, "TESTNET_PREFIX": f"sl{os.getpid() % 10000}"}
+
+    def tool(*args: str) -> str:
+        done = subprocess.run(
+            [str(TESTNET), *args], env=env, capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"testnet {' '.join(args[:2])}: {done.stderr.strip()}")
+        return done.stdout.strip()
+
+    module = [sys.executable, "-m", "scaleout.sim.measure_link"]
+    tool("up", "2", rate)
+    try:
+        server = subprocess.Popen([str(TESTNET), "exec", "1", *module, "serve", str(port)], env=env)
+        try:
+            answer = tool("exec", "0", *module, "probe", tool("addr", "1"), str(port))
+        finally:
+            try:
+                server.wait(timeout=30)  # it ends when the probe closes its connection
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        measured = json.loads(answer.splitlines()[-1])
+        return measured["bytes_per_s"], measured["latency_s"]
+    finally:
+        tool("down")
+
+
 @contextmanager
 def testnet_cluster(
     num_cpus: Sequence[int],

@@ -81,6 +81,18 @@ def simulation_for(strategy: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
+def link_of(text: str, calibration: Calibration) -> tuple[float, float]:
+    """`--link`: a named link or rate, or "calibrated" (the calibration's measured link)."""
+    if text.strip().lower() != "calibrated":
+        return parse_link(text)
+    if calibration.link is None:
+        raise ConfigError(
+            "--link calibrated: this calibration measured no link; run `scaleout calibrate "
+            "--testnet 1gbit` (root), or give --link 1gbit"
+        )
+    return calibration.link.bytes_per_s, calibration.link.latency_s
+
+
 def simulate(
     request: Request, progress: Callable[[str], None] | None = None
 ) -> list[dict[str, Any]]:
@@ -88,7 +100,7 @@ def simulate(
     from scaleout.api import load_config
 
     calibration = Calibration.load(request.hardware or request.calibration)
-    bandwidth, latency = parse_link(request.link)
+    bandwidth, latency = link_of(request.link, calibration)
     link = Link(bandwidth, request.latency_s if request.latency_s is not None else latency)
     sweep = parse_sweep(request.sweep)
     keys = [key for key, _ in sweep]

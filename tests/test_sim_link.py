@@ -1,0 +1,45 @@
+"""A link's latency and bandwidth measured over TCP (`scaleout.sim.measure_link`), and the
+simulator's `--link calibrated`."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scaleout.comm import free_port
+from scaleout.errors import ConfigError
+from scaleout.sim import measure_link
+from scaleout.sim.calibration import Calibration, LinkCost, MessageCost
+from scaleout.sim.simulate import link_of
+
+
+def test_probe_measures_a_loopback_link(monkeypatch):
+    """Over loopback: a round trip of a byte takes microseconds, and megabytes move at
+    more than 100 MB/s (a 1 Gbit link would be 125 MB/s)."""
+    monkeypatch.setattr(measure_link, "LATENCY_ROUNDS", 50)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "scaleout.sim.measure_link", "serve", str(port)]
+    )
+    try:
+        time.sleep(0.2)
+        measured = measure_link.probe("127.0.0.1", port)
+    finally:
+        server.wait(timeout=30)
+    assert server.returncode == 0
+    assert 0 < measured["latency_s"] < 5e-3
+    assert measured["bytes_per_s"] > 100e6
+
+
+def test_link_calibrated_takes_the_measured_link_or_says_how():
+    cal = Calibration(
+        cores=2,
+        pull=MessageCost(fixed_s=0.0, bytes_per_s=1e9),
+        push=MessageCost(fixed_s=0.0, bytes_per_s=1e9),
+    )
+    with pytest.raises(ConfigError, match="--testnet"):
+        link_of("calibrated", cal)
+    cal.link = LinkCost(bytes_per_s=1.1e8, latency_s=2e-4)
+    assert link_of("calibrated", cal) == (1.1e8, 2e-4)
+    assert link_of("100mbit", cal)[0] == pytest.approx(12.5e6)
