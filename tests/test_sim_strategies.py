@@ -406,3 +406,19 @@ def test_a_measuring_process_that_dies_is_reported_at_once():
     with pytest.raises(RuntimeError, match="exited with code"):
         in_processes(sys.exit, [(3,)], 1)  # sys.exit(3, queue): a TypeError in the child
     assert time.monotonic() - started < 60
+
+
+def test_a_calibration_on_a_busy_machine_says_so():
+    from scaleout.sim.calibrate import contended
+
+    def cost(together: float) -> ModelCost:
+        return ModelCost(
+            num_parameters=10,
+            batch_size=1,
+            train_s={1: 1e-3},
+            eval_s=1e-6,
+            concurrent_s={1: 1e-3, 2: together},
+        )
+
+    assert contended({"quiet": cost(1.05e-3)}) is None
+    assert "1.39x" in contended({"quiet": cost(1.0e-3), "busy": cost(1.39e-3)})

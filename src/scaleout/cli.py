@@ -145,6 +145,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         calibration.notes["link"] = f"two ../shared/tools/testnet hosts at {args.testnet}"
     path = calibration.save(args.out)
     out.print(f"wrote {path}")
+    if "contended" in calibration.notes:
+        err.print(f"warning: {calibration.notes['contended']}")
     return 0
 
 

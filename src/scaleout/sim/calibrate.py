@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from scaleout.sim.calibration import Calibration, CodecCost
+from scaleout.sim.calibration import Calibration, CodecCost, ModelCost
 from scaleout.sim.measure_calls import (
     allreduce_sizes,
     average_sizes,
@@ -49,6 +49,7 @@ from scaleout.sim.measure_compute import measure_model
 from scaleout.sim.measuring import model_key, timed
 
 OPTIMIZERS = ("sgd", "momentum", "adagrad", "rmsprop", "adam")
+CONTENDED = 1.1  # two 1-thread processes stepping this much slower than one: a load ran
 CODEC_SIZES = (10_000, 100_000, 1_000_000, 4_000_000)
 
 
@@ -120,6 +121,19 @@ def measure_checkpoint(numel: int = 4_000_000) -> float:
 # --- the whole calibration -------------------------------------------------------------------
 
 
+def contended(models: dict[str, ModelCost]) -> str | None:
+    """Why the calibration was taken on a busy machine, or None: on a quiet one two
+    1-thread processes step about as fast as one (memory bandwidth aside, a few per cent);
+    much slower means another load ran and every cost here is off by as much."""
+    slowdown = max((cost.slowdown(2) for cost in models.values()), default=1.0)
+    if slowdown <= CONTENDED:
+        return None
+    return (
+        f"two 1-thread processes stepped {slowdown:.2f}x slower than one: another load was "
+        "running (or this machine's host was busy); calibrate again on a quiet machine"
+    )
+
+
 def calibrate(
     configs: Sequence[Any],  # noqa: ANN401 - RunConfigs
     say: Callable[[str], None] = print,
@@ -170,5 +184,9 @@ def calibrate(
         checkpoint_bytes_per_s=checkpoint,
         flatten_bytes_per_s=flatten,
         idle_cores=idle_cores,
-        notes={"torch": torch.__version__, "python": platform.python_version()},
+        notes={
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            **({"contended": busy} if (busy := contended(models)) else {}),
+        },
     )
