@@ -40,6 +40,17 @@ def available() -> str | None:
     return None
 
 
+def run_tool(prefix: str, *args: str, timeout: float = 120) -> str:
+    """`testnet ARGS...` for the test networks named `prefix`; its output."""
+    env = {**os.environ, "TESTNET_PREFIX": prefix}
+    done = subprocess.run(
+        [str(TESTNET), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"testnet {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
 @dataclass
 class Host:
     """One emulated machine: its namespace's index and address, and its Ray node's offer."""
@@ -72,12 +83,7 @@ class TestnetCluster:
         return ["env", "RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN={self.token}"]
 
     def tool(self, *args: str, timeout: float = 120) -> str:
-        done = subprocess.run(
-            [str(TESTNET), *args], env=self.env, capture_output=True, text=True, timeout=timeout
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"testnet {' '.join(args)}: {done.stderr.strip()}")
-        return done.stdout.strip()
+        return run_tool(self.prefix, *args, timeout=timeout)
 
     def popen(self, host: int, args: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # noqa: ANN401
         """Start `args` inside `host` with the cluster's token (a driver joins with
@@ -121,22 +127,15 @@ def measure_link(rate: str, port: int = 5599) -> tuple[float, float]:
     reason = available()
     if reason is not None:
         raise RuntimeError(f"cannot measure a testnet link: {reason}")
-    env = {**os.environ, "TESTNET_PREFIX": f"sl{os.getpid() % 10000}"}
-
-    def tool(*args: str) -> str:
-        done = subprocess.run(
-            [str(TESTNET), *args], env=env, capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"testnet {' '.join(args[:2])}: {done.stderr.strip()}")
-        return done.stdout.strip()
-
+    prefix = f"sl{os.getpid() % 10000}"
+    env = {**os.environ, "TESTNET_PREFIX": prefix}
     module = [sys.executable, "-m", "scaleout.sim.measure_link"]
-    tool("up", "2", rate)
+    run_tool(prefix, "up", "2", rate)
     try:
         server = subprocess.Popen([str(TESTNET), "exec", "1", *module, "serve", str(port)], env=env)
         try:
-            answer = tool("exec", "0", *module, "probe", tool("addr", "1"), str(port))
+            probe = [*module, "probe", run_tool(prefix, "addr", "1"), str(port)]
+            answer = run_tool(prefix, "exec", "0", *probe, timeout=300)
         finally:
             try:
                 server.wait(timeout=30)  # it ends when the probe closes its connection
@@ -146,7 +145,7 @@ def measure_link(rate: str, port: int = 5599) -> tuple[float, float]:
         measured = json.loads(answer.splitlines()[-1])
         return measured["bytes_per_s"], measured["latency_s"]
     finally:
-        tool("down")
+        run_tool(prefix, "down")
 
 
 @contextmanager

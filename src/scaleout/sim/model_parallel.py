@@ -263,12 +263,13 @@ class ModelParallelSim:
                 jobs = [env.process(self._worker_compute(r, t)) for r, t in enumerate(seconds)]
             elif not item.pairs:
                 continue  # an exchange without peers skips the collective on every worker
-            elif self.cal.exchange is not None:
-                kind = f"exchange {item.exchange.name}"
-                jobs = [env.process(self._exchange(r, item, kind)) for r in range(self.workers)]
             else:
                 kind = f"exchange {item.exchange.name}"
-                jobs = [env.process(self._piece(i, j, n, kind)) for (i, j), n in item.pairs.items()]
+                if self.cal.exchange is not None:
+                    jobs = [env.process(self._exchange(r, item, kind)) for r in range(self.workers)]
+                else:
+                    pieces = item.pairs.items()
+                    jobs = [env.process(self._piece(i, j, n, kind)) for (i, j), n in pieces]
             yield env.all_of(jobs)
             if isinstance(item, Compute):
                 self.compute_s += env.now - start
