@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from scaleout import bench
-from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.bench import Row, SuiteResult, quiet, register_suite
 from scaleout.cli import main
 from scaleout.metrics import MetricsLog
 
@@ -57,7 +57,9 @@ def test_report_draws_plot_and_summary(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nothing")]) == 2
 
 
-def test_bench_writes_result_schema(tmp_path, capsys):
+def test_bench_writes_result_schema(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(quiet, "check", lambda: quiet.MachineCheck(2.0, 0.2, 0.2, (2.0,)))
+
     @register_suite("toy", "a suite for this test")
     def toy():
         return SuiteResult(
@@ -74,7 +76,8 @@ def test_bench_writes_result_schema(tmp_path, capsys):
         bench.SUITES.pop("toy")
     document = json.loads((tmp_path / "toy.json").read_text())
     assert document["suite"] == "toy"
-    assert set(document["machine"]) == {"cpu", "cores", "torch"}
+    assert set(document["machine"]) == {"cpu", "cores", "torch", "checks"}
+    assert not document["contended"] and len(document["machine"]["checks"]) == 2
     assert [r["meets"] for r in document["rows"]] == [True, False, None]
     assert set(document["rows"][0]) == {
         "name",

@@ -1,9 +1,16 @@
-"""The compiled kernels against the binary-search reference, and the eager fallback."""
+"""The torch kernels (compiled and eager, the C kernels turned off) against the
+binary-search reference, and the eager fallback. The C kernels: test_compress_native.py."""
 
 import pytest
 import torch
 
-from scaleout.compress import get, kernels
+from scaleout.compress import get, kernels, native
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels():
+    with native.native_disabled():
+        yield
 
 
 def sample(n: int) -> torch.Tensor:

@@ -125,6 +125,8 @@ def _bench(args: argparse.Namespace) -> int:
     out.print(table)
     for note in document["notes"]:
         out.print(f"note: {note}")
+    if document["contended"]:
+        err.print(f"warning: {document['notes'][0]}")
     out.print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -4,6 +4,12 @@ Each suite measures figures side by side in one run (this machine is shared and 
 only ratios taken together mean anything), and returns rows that the runner prints as a
 table beside the papers' numbers, writes to `results/<suite>.json` and plots as a PNG.
 Suites register themselves with `@register_suite`; later strategies add theirs.
+
+Every suite runs between two checks of the machine (`scaleout.bench.quiet`: two
+independent single-thread processes against one). When either finds another load, the
+results are `contended`: written as `<suite>.contended.json` / `.png` beside the published
+`<suite>.json`, which they do not replace. `SCALEOUT_BENCH_CHECK=0` skips the checks (the
+results are then marked `unchecked` and written as contended ones).
 """
 
 from __future__ import annotations
@@ -86,21 +92,50 @@ def machine() -> dict[str, object]:
     }
 
 
+def _checks() -> list[dict] | None:
+    """The machine check's record (`scaleout.bench.quiet`), or None when turned off."""
+    if os.environ.get("SCALEOUT_BENCH_CHECK", "1") == "0":
+        return None
+    from scaleout.bench.quiet import check
+
+    return [check().record()]
+
+
 def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
-    """Run suite `name`; write `<out_dir>/<name>.json` and `.png`; return the JSON document."""
+    """Run suite `name` between two machine checks; write `<out_dir>/<name>.json` and
+    `.png` (`<name>.contended.*` when a check found another load); return the document."""
     suites = available_suites()
     if name not in suites:
         raise UserError(f"no benchmark suite {name!r}; available: {', '.join(sorted(suites))}")
+    checks = _checks()
     result = suites[name].run()
+    if checks is not None:
+        checks += _checks() or []
+    quiet = checks is not None and all(c["quiet"] for c in checks)
+    notes = list(result.notes)
+    if checks is None:
+        notes.insert(0, "unchecked: the machine was not checked (SCALEOUT_BENCH_CHECK=0)")
+    elif not quiet:
+        from scaleout.bench.quiet import QUIET_RATIO
+
+        ratios = ", ".join(f"{c['ratio']:.2f}x" for c in checks)
+        notes.insert(
+            0,
+            f"contended: 2 independent 1-thread processes ran {ratios} the work of one "
+            f"(before, after; a quiet machine gives >= {QUIET_RATIO}x): another load was "
+            "running, so these results are not published as ours",
+        )
     document = {
         "suite": name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
+        "machine": {**machine(), "checks": checks},
+        "contended": not quiet,
         "rows": [{**asdict(row), "meets": row.meets} for row in result.rows],
-        "notes": result.notes,
+        "notes": notes,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    stem = name if quiet else f"{name}.contended"
+    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
     json_path.write_text(json.dumps(document, indent=1) + "\n")
     (result.plot or (lambda path: plot_rows(result.rows, path, name)))(png_path)
     return document, json_path, png_path

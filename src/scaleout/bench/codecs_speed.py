@@ -1,20 +1,27 @@
 """Suite `codecs_speed`: nanoseconds per number to encode and decode (paper section 4.2).
 
-dynamic8 on 1M and 16M values, float32 and bfloat16 input, one thread and all threads:
-encode with a fresh absmax (the scale costs a second read), encode with a cached scale
-(`refresh_every=50`, the paper's remedy for the absmax's cost), decode. Beside them, in the
-same run: a plain copy of the tensor (the memory-bandwidth limit), a 256-way binary search
-(`searchsorted`, what the closed-form lookup replaces), the same kernels run eagerly
-(without torch.compile), and bitsandbytes' CPU `quantize_blockwise` /
-`dequantize_blockwise` when it is installed (it is not a dependency).
+dynamic8 at every size from 64k to 64M values, float32 and bfloat16 input, one scale per
+tensor and blocks of 4096 (bitsandbytes' layout), on one thread: encode with a fresh
+absmax, decode into a preallocated tensor (`decode(encoded, out=...)`), and decode into a
+new tensor against a clone of the input (a new tensor's first touch of its pages costs
+more than decoding, so that ratio says what decoding adds). Beside them, in the same run:
+bitsandbytes' CPU `quantize_blockwise` / `dequantize_blockwise` when it is installed (it
+is not a dependency); its CPU decode cannot write into given memory, so the speed-up row
+sets each library's fastest decode side by side (ours into `out`, its own allocating),
+and a row without a target compares both allocating (there page faults bound both). At
+1M values, what the C kernels replace: a binary search (`searchsorted`) and the torch
+kernels, eager and compiled.
 
-Targets (the paper's GTX Titan figures): encode <= 1.0 ns, decode <= 0.5 ns per number on
-one thread; >= 3x faster than bitsandbytes on the CPU.
+Every timing is the median of `REPEATS` samples of back-to-back calls lasting at least
+`SAMPLE_S` each; the spread (max - min over the median) is in each row's name.
+
+Targets (the paper's GTX Titan figures, and issue 15): encode <= 1.0 ns, decode <= 0.5 ns
+per number; decoding into new memory <= 1.1x a clone; >= 3x faster than bitsandbytes.
 """
 
 from __future__ import annotations
 
-import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,23 +29,29 @@ from pathlib import Path
 import torch
 
 from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.compress import Codec, get, kernels
+from scaleout.compress import get, kernels, native
 
-SIZES = {"1M": 1 << 20, "16M": 1 << 24}
+SIZES = {"64k": 1 << 16, "256k": 1 << 18, "1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
+SIZES["64M"] = 1 << 26
 BNB_BLOCK = 4096
+REPEATS = 5
+SAMPLE_S = 0.05
+ENCODE_NS, DECODE_NS, ALLOC_RATIO, BNB_SPEEDUP = 1.0, 0.5, 1.1, 3.0
 
 
-def ns_per_number(fn: Callable[[], object], n: int, min_seconds: float = 0.5) -> float:
-    """Fastest of repeated calls (after a warm-up, which also compiles), in ns per value.
-    The minimum is the least disturbed by other work on a shared machine."""
+def timing(fn: Callable[[], object], n: int) -> tuple[float, float]:
+    """ns per value: the median over `REPEATS` samples (each the mean of back-to-back
+    calls for at least `SAMPLE_S`, after a warm-up call), and the spread of the samples."""
     fn()
-    best, start, calls = float("inf"), time.perf_counter(), 0
-    while calls < 3 or (time.perf_counter() - start < min_seconds and calls < 50):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-        calls += 1
-    return 1e9 * best / n
+    samples = []
+    for _ in range(REPEATS):
+        calls, started = 0, time.perf_counter()
+        while calls == 0 or time.perf_counter() - started < SAMPLE_S:
+            fn()
+            calls += 1
+        samples.append(1e9 * (time.perf_counter() - started) / calls / n)
+    median = statistics.median(samples)
+    return median, (max(samples) - min(samples)) / median
 
 
 def bitsandbytes_functions() -> tuple[Callable, Callable] | None:
@@ -49,110 +62,150 @@ def bitsandbytes_functions() -> tuple[Callable, Callable] | None:
     return bnb.quantize_blockwise, bnb.dequantize_blockwise
 
 
+def _row(what: str, figure: tuple[float, float], unit: str, target: float | None) -> Row:
+    value, spread = figure
+    better = "higher" if unit == "x" and target == BNB_SPEEDUP else "lower"
+    paper = {ENCODE_NS: 1.0, DECODE_NS: 0.5}.get(target) if unit == "ns/number" else None
+    return Row(f"{what} (spread {100 * spread:.0f}%)", value, unit, better, paper, target)
+
+
+def size_rows(x: torch.Tensor, tag: str, bnb: tuple[Callable, Callable] | None) -> list[Row]:
+    """Encode, decode into out, decode allocating vs a clone, per tensor and in blocks;
+    bitsandbytes' blockwise functions beside the blocks."""
+    n, rows = x.numel(), []
+    clone = timing(x.clone, n)
+    for layout, block in (("one scale", None), (f"blocks of {BNB_BLOCK}", BNB_BLOCK)):
+        codec = get("dynamic8", block_size=block)
+        encoded = codec.encode(x)
+        out = torch.empty_like(x)
+        encode = timing(lambda c=codec: c.encode(x), n)
+        decode = timing(lambda c=codec, e=encoded, o=out: c.decode(e, out=o), n)
+        fresh = timing(lambda c=codec, e=encoded: c.decode(e), n)
+        ratio = (fresh[0] / clone[0], max(fresh[1], clone[1]))
+        rows += [
+            _row(f"encode {tag}, {layout}", encode, "ns/number", ENCODE_NS),
+            _row(f"decode into out {tag}, {layout}", decode, "ns/number", DECODE_NS),
+            _row(f"decode into new memory / clone {tag}, {layout}", ratio, "x", ALLOC_RATIO),
+        ]
+        if block is not None and bnb is not None:
+            rows += bitsandbytes_rows(bnb, x, tag, encode, decode, fresh)
+    rows.append(_row(f"clone {tag}", clone, "ns/number", None))
+    return rows
+
+
+def bitsandbytes_rows(
+    bnb: tuple[Callable, Callable],
+    x: torch.Tensor,
+    tag: str,
+    encode: tuple[float, float],
+    decode: tuple[float, float],
+    decode_new: tuple[float, float],
+) -> list[Row]:
+    """bitsandbytes' encode and decode of `x`, and our speed-up over them; ours (`encode`,
+    `decode` into out, `decode_new` into new memory) with the same blocks."""
+    quantize, dequantize = bnb
+    n = x.numel()
+    codes, state = quantize(x, blocksize=BNB_BLOCK)
+    theirs = {  # its CPU dequantize takes no out=
+        "encode": timing(lambda: quantize(x, blocksize=BNB_BLOCK), n),
+        "decode": timing(lambda: dequantize(codes, state), n),
+    }
+    rows = []
+    for what, ours in (("encode", encode), ("decode", decode)):
+        rows.append(_row(f"bitsandbytes {what} {tag}", theirs[what], "ns/number", None))
+        speedup = (theirs[what][0] / ours[0], max(theirs[what][1], ours[1]))
+        rows.append(_row(f"{what} speed-up vs bitsandbytes {tag}", speedup, "x", BNB_SPEEDUP))
+    both_new = (theirs["decode"][0] / decode_new[0], max(theirs["decode"][1], decode_new[1]))
+    rows.append(
+        _row(f"decode speed-up vs bitsandbytes, both into new memory {tag}", both_new, "x", None)
+    )
+    return rows
+
+
+def replaced_rows() -> list[Row]:
+    """At 1M float32 values, one scale: a binary search and the torch kernels."""
+    x = torch.randn(SIZES["1M"])
+    n, codec = x.numel(), get("dynamic8")
+    table = kernels.lookup("dynamic8", "nearest", torch.device("cpu"))
+    scales = x.abs().amax().view(1, 1)
+    rows = [
+        _row(
+            "encode by searchsorted (reference) 1M float32",
+            timing(lambda: kernels.encode_reference(x, scales, table, None), n),
+            "ns/number",
+            None,
+        )
+    ]
+    with native.native_disabled():
+        for mode, what in (("never", "eager"), ("always", "compiled")):
+            with kernels.compiling(mode):
+                encoded = codec.encode(x)
+                for op, fn in (
+                    ("encode", lambda: codec.encode(x)),
+                    ("decode", lambda e=encoded: codec.decode(e)),
+                ):
+                    rows.append(
+                        _row(
+                            f"{op}, torch kernels {what}, 1M float32",
+                            timing(fn, n),
+                            "ns/number",
+                            None,
+                        )
+                    )
+    return rows
+
+
 def measure() -> tuple[list[Row], list[str]]:
     rows: list[Row] = []
     notes: list[str] = []
     bnb = bitsandbytes_functions()
     if bnb is None:
-        notes.append("bitsandbytes is not installed: its column is skipped")
+        notes.append("bitsandbytes is not installed: its rows are skipped")
+    if native.library() is None:
+        notes.append("the C kernels are unavailable here: these are the torch kernels")
     threads = torch.get_num_threads()
-    cores = os.cpu_count() or 1
-    fresh = get("dynamic8")
-    table = kernels.lookup("dynamic8", "nearest", torch.device("cpu"))
     try:
-        for num_threads in sorted({1, cores}):
-            torch.set_num_threads(num_threads)
-            for size, n in SIZES.items():
-                for dtype in (torch.float32, torch.bfloat16):
-                    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dtype)
-                    tag = f"{size} {str(dtype).removeprefix('torch.')} {num_threads} thread(s)"
-                    rows += codec_rows(x, tag, one=num_threads == 1)
-                    if bnb is not None:
-                        rows += bitsandbytes_rows(bnb, x, tag, rows)
-            rows += slow_path_rows(fresh, table, f"1M float32 {num_threads} thread(s)")
+        torch.set_num_threads(1)
+        for size, n in SIZES.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dtype)
+                rows += size_rows(x, f"{size} {str(dtype).removeprefix('torch.')}", bnb)
+        rows += replaced_rows()
     finally:
         torch.set_num_threads(threads)
     notes += [
-        "dynamic8, one absmax per tensor, nearest rounding; fastest of repeated calls "
-        "(>= 3, >= 0.5 s) after a warm-up that also compiles (torch.compile, inductor C++).",
-        f"bitsandbytes: quantize_blockwise/dequantize_blockwise, blocksize {BNB_BLOCK}, its "
-        "CPU kernels; speed-up rows = its ns/number over ours with the same blocks "
-        "(target >= 3).",
+        "dynamic8, nearest rounding, one thread; median of "
+        f"{REPEATS} samples of >= {SAMPLE_S} s of calls each.",
+        f"bitsandbytes: quantize_blockwise / dequantize_blockwise, blocksize {BNB_BLOCK}, "
+        "its CPU kernels; speed-up = its ns/number over ours with the same blocks (target "
+        ">= 3); decode: ours into out=, its own into new memory (its CPU dequantize takes "
+        "no out=), and both into new memory (no target).",
     ]
     return rows, notes
 
 
-def codec_rows(x: torch.Tensor, tag: str, one: bool) -> list[Row]:
-    """Encode (fresh and cached scale) and decode of `x`, per tensor and in blocks of
-    `BNB_BLOCK` (as bitsandbytes), and a plain copy."""
-    fresh, blocked = get("dynamic8"), get("dynamic8", block_size=BNB_BLOCK)
-    cached = get("dynamic8", refresh_every=50)
-    encoded, encoded_blocks = fresh.encode(x), blocked.encode(x)
-    figures = {
-        "encode": (lambda: fresh.encode(x), 1.0),
-        "encode, cached scale": (lambda: cached.encode(x, key=0), 1.0),
-        "decode": (lambda: fresh.decode(encoded), 0.5),
-        f"encode, blocks of {BNB_BLOCK}": (lambda: blocked.encode(x), 1.0),
-        f"decode, blocks of {BNB_BLOCK}": (lambda: blocked.decode(encoded_blocks), 0.5),
-        "plain copy": (x.clone, None),
-    }
-    rows = []
-    for what, (fn, paper) in figures.items():
-        target = paper if one else None  # the paper's figures are per GPU thread pool
-        value = ns_per_number(fn, x.numel())
-        rows.append(Row(f"{what} {tag}", value, "ns/number", "lower", paper, target))
-    return rows
-
-
-def slow_path_rows(codec: Codec, table: kernels.Lookup, tag: str) -> list[Row]:
-    """What the compiled lookup replaces: a binary search, and the same kernels uncompiled."""
-    x = torch.randn(SIZES["1M"])
-    scales = x.abs().amax().view(1, 1)
-    rows = []
-    reference = ns_per_number(lambda: kernels.encode_reference(x, scales, table, None), x.numel())
-    rows.append(Row(f"encode by searchsorted (reference) {tag}", reference, "ns/number", "lower"))
-    with kernels.compiling("never"):
-        encoded = codec.encode(x)
-        for what, fn in (
-            ("encode, eager kernels", lambda: codec.encode(x)),
-            ("decode, eager kernels", lambda: codec.decode(encoded)),
-        ):
-            rows.append(Row(f"{what} {tag}", ns_per_number(fn, x.numel()), "ns/number", "lower"))
-    return rows
-
-
-def bitsandbytes_rows(
-    bnb: tuple[Callable, Callable], x: torch.Tensor, tag: str, ours: list[Row]
-) -> list[Row]:
-    quantize, dequantize = bnb
-    n = x.numel()
-    codes, state = quantize(x, blocksize=BNB_BLOCK)
-    encode = ns_per_number(lambda: quantize(x, blocksize=BNB_BLOCK), n)
-    decode = ns_per_number(lambda: dequantize(codes, state), n)
-    by_name = {row.name: row.value for row in ours}
-    rows = []
-    for what, theirs in (("encode", encode), ("decode", decode)):
-        rows.append(Row(f"bitsandbytes {what} {tag}", theirs, "ns/number", "lower"))
-        speedup = theirs / by_name[f"{what}, blocks of {BNB_BLOCK} {tag}"]
-        rows.append(Row(f"{what} speed-up vs bitsandbytes {tag}", speedup, "x", "higher", target=3))
-    return rows
-
-
 def plot(rows: list[Row], ax) -> None:  # noqa: ANN001 - a matplotlib axis
-    """ns/number per operation, one thread, 16M values (float32), ours beside the others."""
-    picks = [
-        r
-        for r in rows
-        if r.unit == "ns/number" and "1 thread" in r.name and "16M float32" in r.name
-    ]
-    picks += [r for r in rows if "searchsorted" in r.name and "1 thread" in r.name]
-    picks += [r for r in rows if "eager" in r.name and "1 thread" in r.name]
-    ax.barh(range(len(picks)), [r.value for r in picks])
-    ax.set_yticks(
-        range(len(picks)), [r.name.replace(" 1 thread(s)", "") for r in picks], fontsize=6
-    )
-    ax.set_xscale("log")
-    ax.set_xlabel("ns per number (one thread; paper GPU: encode 1.0, decode 0.5)")
+    """ns/number by size, float32 in blocks of 4096: ours, bitsandbytes', a clone."""
+    series = {
+        "encode": "encode {} float32, blocks of 4096",
+        "decode into out": "decode into out {} float32, blocks of 4096",
+        "bitsandbytes encode": "bitsandbytes encode {} float32",
+        "bitsandbytes decode": "bitsandbytes decode {} float32",
+        "clone": "clone {} float32",
+    }
+    by_name = {row.name.split(" (spread")[0]: row.value for row in rows}
+    sizes = [s for s in SIZES if series["encode"].format(s) in by_name]
+    for label, pattern in series.items():
+        values = [by_name.get(pattern.format(s)) for s in sizes]
+        if all(v is not None for v in values):
+            ax.plot([SIZES[s] for s in sizes], values, marker="o", label=label)
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(0.5, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("values per tensor")
+    ax.set_ylabel("ns per number (one thread; paper GPU: encode 1.0, decode 0.5)")
+    ax.legend(fontsize=7)
     ax.set_title("encode / decode speed")
 
 

@@ -1,7 +1,10 @@
 """The codec interface and the float and 8-bit table codecs.
 
-`codec.encode(tensor, key=None) -> Encoded` and `codec.decode(encoded) -> tensor` (same
-dtype and shape as the input: float32, float16 or bfloat16). `key` names the tensor across
+`codec.encode(tensor, key=None) -> Encoded` and `codec.decode(encoded, out=None) -> tensor`
+(same dtype and shape as the input: float32, float16 or bfloat16; into `out`, a contiguous
+tensor of as many values of that dtype, when given: the table codecs then allocate
+nothing, which matters for large messages, where a new tensor's first touch of its
+memory costs more than the decoding). `key` names the tensor across
 calls for codecs that keep state per tensor: the cached absmax of `refresh_every > 1` here,
 the residual of `ErrorFeedback`. Without a key, all tensors of one size on one device share
 that state, so give a key wherever several such tensors pass through one codec.
@@ -52,7 +55,7 @@ class Codec(ABC):
     def encode(self, x: torch.Tensor, key: Hashable | None = None) -> Encoded: ...
 
     @abstractmethod
-    def decode(self, encoded: Encoded) -> torch.Tensor: ...
+    def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def forget(self, key: Hashable) -> None:  # noqa: B027 - stateless codecs keep nothing
         """Drop any state kept for `key` (cached scales, residuals)."""
@@ -100,6 +103,15 @@ class Codec(ABC):
     def _nan(encoded: Encoded, device: torch.device) -> torch.Tensor:
         return torch.full(encoded.shape, float("nan"), dtype=encoded.dtype, device=device)
 
+    @staticmethod
+    def _into(values: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """`values` as decode returns them: copied into `out` (checked) when given."""
+        if out is None:
+            return values
+        kernels.check_out(out, values.numel(), values.dtype, values.device)
+        out.view(-1).copy_(values.view(-1))
+        return out
+
 
 class FloatCodec(Codec):
     """fp32 (identity), fp16 or bf16: a cast, sent as raw bytes."""
@@ -126,18 +138,18 @@ class FloatCodec(Codec):
         scales = torch.empty(0, device=x.device)
         return Encoded(self.name, x.dtype, tuple(x.shape), codes, scales, 0, flag)
 
-    def decode(self, encoded: Encoded) -> torch.Tensor:
+    def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         self._check(encoded)
         device = encoded.codes.device
         if encoded.nonfinite:
-            return self._nan(encoded, device)
+            return self._into(self._nan(encoded, device), out)
         if encoded.numel == 0:
-            return torch.empty(encoded.shape, dtype=encoded.dtype, device=device)
+            return self._into(torch.empty(encoded.shape, dtype=encoded.dtype, device=device), out)
         codes = encoded.codes.contiguous()
         if codes.storage_offset() % self.wire_dtype.itemsize:  # a slice of a gathered buffer
             codes = codes.clone()
         wire = codes.view(self.wire_dtype)
-        return wire.to(encoded.dtype).view(encoded.shape)
+        return self._into(wire.to(encoded.dtype).view(encoded.shape), out)
 
 
 class TableCodec(Codec):
@@ -233,15 +245,18 @@ class TableCodec(Codec):
         """Forget the cached scales."""
         self._cached.clear()
 
-    def decode(self, encoded: Encoded) -> torch.Tensor:
+    def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         self._check(encoded)
         device = encoded.codes.device
         if encoded.nonfinite:
-            return self._nan(encoded, device)
+            return self._into(self._nan(encoded, device), out)
         if encoded.numel == 0:
-            return torch.empty(encoded.shape, dtype=encoded.dtype, device=device)
+            return self._into(torch.empty(encoded.shape, dtype=encoded.dtype, device=device), out)
         table = kernels.lookup(self.table_name, "nearest", device)  # values: any rounding
-        scales = encoded.scales.to(device, torch.float32).view(-1, 1)
+        scales = encoded.scales
+        if scales.dtype != torch.float32 or scales.device != device:
+            scales = scales.to(device, torch.float32)
+        scales = scales.view(-1, 1)
         block = encoded.block_size or None
-        values = kernels.decode(encoded.codes, scales, table, block, encoded.dtype)
-        return values.view(encoded.shape)
+        values = kernels.decode(encoded.codes, scales, table, block, encoded.dtype, out)
+        return out if out is not None else values.view(encoded.shape)

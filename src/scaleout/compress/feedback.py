@@ -62,8 +62,8 @@ class ErrorFeedback(Codec):
         self.remember(key, v.view(x.shape), self.codec.decode(encoded))
         return encoded
 
-    def decode(self, encoded: Encoded) -> torch.Tensor:
-        return self.codec.decode(encoded)
+    def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.codec.decode(encoded, out)
 
     def forget(self, key: Hashable) -> None:
         self.residuals.pop(key, None)

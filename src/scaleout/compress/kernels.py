@@ -1,5 +1,10 @@
 """Fast encode/decode for the 8-bit tables: one pass over memory per direction.
 
+On the CPU, float32 and bfloat16 go to the C kernels of `scaleout.compress.native` at every
+size (the same arithmetic, bit for bit; about 1 us per call). What follows describes the
+torch kernels, which serve everything else (GPUs, float16) and the CPU where no C compiler
+is available.
+
 Encoding must find, for each magnitude a = |x| / scale, its rank among the table's
 thresholds. A binary search (`searchsorted` over 128 thresholds) costs about 40 ns per
 number here. Instead we index a lookup table by the top bits of a's float32 bit pattern:
@@ -52,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from scaleout.compress import native
 from scaleout.compress.tables import CodeTable, Rounding, get_table
 
 COMPILE_MIN_NUMEL = 1 << 20
@@ -147,12 +153,12 @@ def _lookup_cpu(table_name: str, rounding: Rounding) -> Lookup:
     )
 
 
-_LOOKUPS: dict[tuple[str, str, str], Lookup] = {}
+_LOOKUPS: dict[tuple[str, str, torch.device], Lookup] = {}
 
 
 def lookup(table_name: str, rounding: Rounding, device: torch.device) -> Lookup:
     """The lookup for `table_name` with its tensors on `device` (built once, then cached)."""
-    key = (table_name, rounding, str(device))
+    key = (table_name, rounding, device)  # a device hashes faster than its str()
     if key not in _LOOKUPS:
         cpu = _lookup_cpu(table_name, rounding)
         tensors = {
@@ -342,7 +348,13 @@ def encode(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """x (n,) -> codes uint8 (n,), scales float32 (num_blocks, 1), number of Inf/NaN inputs.
 
-    `scales` None: each block's absmax, computed in the same kernel."""
+    `scales` None: each block's absmax, computed in the same kernel. On the CPU the C
+    kernels (`scaleout.compress.native`) serve float32 and bfloat16 at every size."""
+    lib = _native(x, x.dtype)
+    if lib is not None:
+        done = _encode_native(lib, x, scales, table, block_size)
+        if done is not None:
+            return done[0], done[1], 0
     static = table.static
     codes, new_scales, num_bad = [], [], 0
     row = 0
@@ -380,6 +392,69 @@ def _reads_pairs(codes: torch.Tensor, block_size: int | None) -> bool:
 
 
 _BITS_OF = {4: torch.int64, 2: torch.int32}  # bytes of one value -> integer type of a pair
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native(x: torch.Tensor, dtype: torch.dtype) -> native.Kernels | None:
+    """The C kernels when they serve `x` (on the CPU, not empty) and `dtype`, else None."""
+    if dtype not in _NATIVE_DTYPES or x.device.type != "cpu" or x.numel() == 0:
+        return None
+    return native.library()
+
+
+def _float32(scales: torch.Tensor) -> torch.Tensor:
+    """(num_blocks,) contiguous float32 (what the C kernels read)."""
+    if scales.dtype != torch.float32 or not scales.is_contiguous():
+        scales = scales.to(torch.float32).contiguous()
+    return scales.view(-1)
+
+
+def _num_blocks(n: int, block_size: int | None) -> int:
+    return 1 if block_size is None or n <= block_size else -(-n // block_size)
+
+
+def _encode_native(
+    lib: native.Kernels,
+    x: torch.Tensor,
+    scales: torch.Tensor | None,
+    table: Lookup,
+    block: int | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`encode` in one C loop; None when some input is Inf or NaN (the torch path counts
+    and flags them)."""
+    x = x.contiguous()
+    n, num_blocks = x.numel(), _num_blocks(x.numel(), block)
+    codes = torch.empty(n, dtype=torch.uint8)
+    new_scales = torch.empty(num_blocks, dtype=torch.float32)
+    given = None
+    if scales is not None:
+        given = _float32(scales)
+        assert given.numel() == num_blocks, (given.numel(), num_blocks)
+    bad = lib.encode[x.dtype](
+        x.data_ptr(),
+        n,
+        block or 0,
+        None if given is None else given.data_ptr(),
+        new_scales.data_ptr(),
+        codes.data_ptr(),
+        table.entries.data_ptr(),
+        table.shift,
+        table.first_bin,
+        table.num_bins,
+        table.top_bits,
+    )
+    return None if bad else (codes, new_scales.view(-1, 1))
+
+
+def check_out(out: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ValueError unless `out` can take n contiguous values of `dtype` on `device`."""
+    if out.numel() != n or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"decode(out=...): out holds {out.numel()} {out.dtype} values on {out.device}; "
+            f"give a tensor of {n} {dtype} values on {device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError("decode(out=...): out must be contiguous (e.g. torch.empty(n))")
 
 
 def decode(
@@ -388,9 +463,41 @@ def decode(
     table: Lookup,
     block_size: int | None,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(n,) of `dtype` (a float type) from codes uint8 (n,) and scales (num_blocks, 1):
-    values[code] * scale rounded once, from float32, to `dtype`."""
+    values[code] * scale rounded once, from float32, to `dtype`; into `out` (contiguous,
+    n values of `dtype`) when given."""
+    n = codes.numel()
+    if out is not None:
+        check_out(out, n, dtype, codes.device)
+        out = out.view(-1)
+    lib = _native(codes, dtype)
+    if lib is not None:
+        codes = codes.contiguous()
+        given = _float32(scales)
+        assert given.numel() == _num_blocks(n, block_size), (given.numel(), n, block_size)
+        values = torch.empty(n, dtype=dtype) if out is None else out
+        lib.decode[dtype](
+            codes.data_ptr(),
+            n,
+            block_size or 0,
+            given.data_ptr(),
+            table.values.data_ptr(),
+            values.data_ptr(),
+        )
+        return values
+    values = _decode_torch(codes, scales, table, block_size, dtype)
+    return values if out is None else out.copy_(values)
+
+
+def _decode_torch(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    table: Lookup,
+    block_size: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     pairs = _reads_pairs(codes, block_size) and dtype.itemsize in _BITS_OF
     static = {"dtype": dtype}
     out, row = [], 0

@@ -58,18 +58,18 @@ class OneBitCodec(Codec):
         block = self.block_size or 0
         return Encoded(self.name, x.dtype, tuple(x.shape), codes, means.view(-1), block, flag)
 
-    def decode(self, encoded: Encoded) -> torch.Tensor:
+    def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         self._check(encoded)
         device = encoded.codes.device
         if encoded.nonfinite:
-            return self._nan(encoded, device)
+            return self._into(self._nan(encoded, device), out)
         n = encoded.numel
         bits = (encoded.codes.view(-1, 1) >> _SHIFTS.to(device)) & 1  # (ceil(n / 8), 8)
         means = encoded.scales.to(device, torch.float32).view(-1, 2)  # (G, 2)
         length = encoded.block_size or max(n, 1)
         bits = F.pad(bits.view(-1)[:n], (0, -n % length)).view(-1, length).bool()  # (G, L)
         values = torch.where(bits, means[:, :1], means[:, 1:]).view(-1)[:n]
-        return values.to(encoded.dtype).view(encoded.shape)
+        return self._into(values.to(encoded.dtype).view(encoded.shape), out)
 
 
 def _group_means(values: torch.Tensor, mask: torch.Tensor, length: int, pad: int) -> torch.Tensor:

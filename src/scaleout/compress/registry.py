@@ -86,6 +86,7 @@ def from_config(section: CompressSection) -> Codec:
     return ErrorFeedback(codec) if section.error_feedback else codec
 
 
-def decode(encoded: Encoded) -> torch.Tensor:
-    """Decode any message with the codec it names (decoding needs no options)."""
-    return get(encoded.codec).decode(encoded)
+def decode(encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode any message with the codec it names (decoding needs no options); into `out`
+    when given (see `Codec.decode`)."""
+    return get(encoded.codec).decode(encoded, out)
