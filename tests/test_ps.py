@@ -9,8 +9,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.optim.lr_scheduler import LambdaLR
 
 from scaleout.compress import CompressSection
+from scaleout.nn.optim import DEFAULT_WARMUP
 from scaleout.ps import FlatParameters, ParameterServer, ParameterShard, Wire, shard_ranges
 from scaleout.train.config import TrainSection
 
@@ -75,6 +77,8 @@ def test_sharded_optimizer_equals_torch_optim_on_whole_vector(num_shards, optimi
         "adam": lambda p: torch.optim.Adam(p, lr=0.1),
     }
     reference = kinds[optimizer]([whole])
+    warmup = DEFAULT_WARMUP.get(optimizer, 0)  # torch's own scheduler as the reference
+    schedule = LambdaLR(reference, lambda k: min(1.0, (k + 1) / warmup)) if warmup else None
     shards = make_shards(initial, num_shards, optimizer)
     wire = Wire()
     g = torch.Generator().manual_seed(2)
@@ -82,6 +86,8 @@ def test_sharded_optimizer_equals_torch_optim_on_whole_vector(num_shards, optimi
         grad = torch.randn(34, generator=g)
         whole.grad = grad.clone()
         reference.step()
+        if schedule is not None:
+            schedule.step()
         for shard, start, stop in shards:
             version, staleness = shard.push(wire.encode(grad[start:stop]), base_version=step)
             assert (version, staleness) == (step + 1, 0)

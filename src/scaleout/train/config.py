@@ -40,6 +40,8 @@ class TrainSection(Section):
     lr: PositiveFloat = 0.01
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9  # "momentum"; rmsprop/adam ignore it
     weight_decay: NonNegativeFloat = 0.0
+    # optimizer steps of linear learning-rate warm-up; None: 200 for adagrad, else 0
+    warmup_steps: NonNegativeInt | None = None
     # (output, target) -> scalar loss, "package.module:function"; None: cross-entropy
     loss: str | None = None
     eval_every: PositiveInt = 500  # steps between test evaluations (and one at the end)
