@@ -92,13 +92,11 @@ def machine() -> dict[str, object]:
     }
 
 
-def _checks() -> list[dict] | None:
-    """The machine check's record (`scaleout.bench.quiet`), or None when turned off."""
-    if os.environ.get("SCALEOUT_BENCH_CHECK", "1") == "0":
-        return None
+def _check() -> dict:
+    """One machine check's record (`scaleout.bench.quiet`)."""
     from scaleout.bench.quiet import check
 
-    return [check().record()]
+    return check().record()
 
 
 def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
@@ -107,10 +105,10 @@ def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
     suites = available_suites()
     if name not in suites:
         raise UserError(f"no benchmark suite {name!r}; available: {', '.join(sorted(suites))}")
-    checks = _checks()
+    checked = os.environ.get("SCALEOUT_BENCH_CHECK", "1") != "0"
+    before = _check() if checked else None
     result = suites[name].run()
-    if checks is not None:
-        checks += _checks() or []
+    checks = [before, _check()] if checked else None
     quiet = checks is not None and all(c["quiet"] for c in checks)
     notes = list(result.notes)
     if checks is None:

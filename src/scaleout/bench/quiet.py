@@ -47,6 +47,8 @@ def _probe(rank: int, rounds: int, barrier: Any, out: Any) -> None:  # noqa: ANN
     (alone, together) seconds per round."""
     import torch
 
+    from scaleout.sim.measuring import alone_and_together
+
     torch.set_num_threads(1)
     a = torch.randn(SIZE, SIZE)
     b = torch.empty(SIZE, SIZE)
@@ -59,13 +61,7 @@ def _probe(rank: int, rounds: int, barrier: Any, out: Any) -> None:  # noqa: ANN
 
     work(20)
     count = max(1, round(20 * PROBE_S / max(work(20), 1e-6)))
-    pairs = []
-    for _ in range(rounds):
-        barrier.wait()
-        alone = work(count) if rank == 0 else 0.0
-        barrier.wait()
-        together = work(count)
-        pairs.append((alone, together))
+    pairs = alone_and_together(lambda: work(count), rank, rounds, barrier)
     if rank == 0:
         out.put(pairs)
 

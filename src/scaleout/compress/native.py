@@ -117,11 +117,10 @@ def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler!r} is not on PATH)")
-    source = SOURCE.read_bytes()
+    source, cpu = SOURCE.read_bytes(), _cpu_signature().encode()
     for flags in ((*FLAGS, *TUNED), FLAGS):
-        digest = hashlib.sha256(
-            b"\0".join([source, " ".join((compiler, *flags)).encode(), _cpu_signature().encode()])
-        ).hexdigest()[:16]
+        command = " ".join((compiler, *flags)).encode()
+        digest = hashlib.sha256(b"\0".join([source, command, cpu])).hexdigest()[:16]
         target = _cache_dir() / f"codec8-{platform.machine()}-{digest}.so"
         if target.exists():
             return target
@@ -136,8 +135,7 @@ def _declare(lib: ctypes.CDLL) -> Kernels:
     kernels = Kernels({}, {})
     for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
         encode = getattr(lib, f"so_encode_{suffix}")
-        encode.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, i32, i32, i32]
-        encode.argtypes += [i32]
+        encode.argtypes = [pointer, i64, i64, pointer, pointer, pointer, pointer, *[i32] * 4]
         encode.restype = ctypes.c_int
         decode = getattr(lib, f"so_decode_{suffix}")
         decode.argtypes = [pointer, i64, i64, pointer, pointer, pointer]

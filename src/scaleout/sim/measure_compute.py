@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from scaleout.sim.calibration import ModelCost
-from scaleout.sim.measuring import in_processes, timed
+from scaleout.sim.measuring import alone_and_together, in_processes, timed
 
 MAX_FIXED_FRACTION = 0.9
 THREAD_ROUNDS = 5
@@ -100,15 +100,10 @@ def _alone_and_together(
     torch.set_num_threads(1)
     stepper = _Stepper(config_from_dict(raw))
     stepper.step()
-    alone, together = [], []
-    for _ in range(rounds):
-        barrier.wait()
-        if rank == 0:
-            alone.append(timed(stepper.step, repeats=steps, warmup=1))
-        barrier.wait()
-        together.append(timed(stepper.step, repeats=steps, warmup=1))
+    work = lambda: timed(stepper.step, repeats=steps, warmup=1)  # noqa: E731
+    pairs = alone_and_together(work, rank, rounds, barrier)
     if rank == 0:
-        out.put((statistics.median(alone), statistics.median(together)))
+        out.put(tuple(statistics.median(column) for column in zip(*pairs, strict=True)))
 
 
 def measure_concurrent(

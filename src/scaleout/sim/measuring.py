@@ -69,6 +69,25 @@ def in_processes(target: Callable[..., None], args: list[tuple], answers: int) -
                 proc.kill()
 
 
+def alone_and_together(
+    work: Callable[[], float],
+    rank: int,
+    rounds: int,
+    barrier: Any,  # noqa: ANN401 - a multiprocessing Barrier
+) -> list[tuple[float, float]]:
+    """In one of k processes: per round, rank 0 runs `work` alone, then all k at once;
+    this process's (alone, together) seconds per round (alone is 0 but on rank 0). Both
+    in the same processes, alternately: the ratio of the two is the machine's, not a
+    process's memory layout (which alone moves a step by several percent here)."""
+    pairs = []
+    for _ in range(rounds):
+        barrier.wait()
+        alone = work() if rank == 0 else 0.0
+        barrier.wait()
+        pairs.append((alone, work()))
+    return pairs
+
+
 def model_key(config: Any) -> str:  # noqa: ANN401 - a RunConfig
     """What identifies a model's compute: the model section and the data it reads."""
     model = config.model.model_dump(mode="json") if config.model is not None else None

@@ -110,7 +110,6 @@ ENCODE(so_encode_f32, float, absmax_f32, encode_block_f32)
 ENCODE(so_encode_bf16, uint16_t, absmax_bf16, encode_block_bf16)
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#define HAVE_VBMI 1
 /* Byte `plane` of a 256-entry table of `stride`-byte values as four registers, and its
  * lookup of 64 codes at once: two two-register byte permutes (code bits 0..6) and a blend
  * on bit 7. A gather fetches 16 values per instruction; this fetches 64 bytes per three. */
@@ -176,41 +175,31 @@ static int64_t decode_bf16_vbmi(const uint8_t *c, int64_t n, const uint16_t *tab
     }
     return i;
 }
+#define VBMI_PART(fn, ...) fn(__VA_ARGS__) /* the values it decoded */
+#else
+#define VBMI_PART(fn, ...) 0 /* none: the plain loop decodes every value */
 #endif
 
 /* codes (n,), scales (num_blocks,), values (256,) -> out (n,): values[code] * scale,
  * rounded once to the output type (per block, into a table of 256), then looked up.
  * block = 0: one block. */
-void so_decode_f32(const uint8_t *codes, int64_t n, int64_t block, const float *scales,
-                   const float *values, float *out) {
-    float table[256];
-    if (block <= 0 || block > n) block = n;
-    int64_t num_blocks = (n + block - 1) / block;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        int64_t start = b * block, len = n - start < block ? n - start : block, i = 0;
-        for (int k = 0; k < 256; k++) table[k] = values[k] * scales[b];
-        const uint8_t *c = codes + start;
-        float *o = out + start;
-#ifdef HAVE_VBMI
-        i = decode_f32_vbmi(c, len, table, o);
-#endif
-        for (; i < len; i++) o[i] = table[c[i]];
+#define DECODE(NAME, T, ROUND, VBMI)                                                \
+    void NAME(const uint8_t *codes, int64_t n, int64_t block, const float *scales, \
+              const float *values, T *out) {                                        \
+        T table[256];                                                               \
+        if (block <= 0 || block > n) block = n;                                     \
+        int64_t num_blocks = (n + block - 1) / block;                               \
+        for (int64_t b = 0; b < num_blocks; b++) {                                  \
+            int64_t start = b * block, len = n - start < block ? n - start : block; \
+            for (int k = 0; k < 256; k++) table[k] = ROUND(values[k] * scales[b]);  \
+            const uint8_t *c = codes + start;                                       \
+            T *o = out + start;                                                     \
+            int64_t i = VBMI_PART(VBMI, c, len, table, o);                         \
+            for (; i < len; i++) o[i] = table[c[i]];                                \
+        }                                                                           \
     }
-}
 
-void so_decode_bf16(const uint8_t *codes, int64_t n, int64_t block, const float *scales,
-                    const float *values, uint16_t *out) {
-    uint16_t table[256];
-    if (block <= 0 || block > n) block = n;
-    int64_t num_blocks = (n + block - 1) / block;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        int64_t start = b * block, len = n - start < block ? n - start : block, i = 0;
-        for (int k = 0; k < 256; k++) table[k] = f2bf(values[k] * scales[b]);
-        const uint8_t *c = codes + start;
-        uint16_t *o = out + start;
-#ifdef HAVE_VBMI
-        i = decode_bf16_vbmi(c, len, table, o);
-#endif
-        for (; i < len; i++) o[i] = table[c[i]];
-    }
-}
+#define AS_F32(v) (v)
+
+DECODE(so_decode_f32, float, AS_F32, decode_f32_vbmi)
+DECODE(so_decode_bf16, uint16_t, f2bf, decode_bf16_vbmi)
