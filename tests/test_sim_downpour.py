@@ -327,18 +327,45 @@ def test_represented_replicas_match_simulating_every_one(
         assert few.utilisation[role] == pytest.approx(every.utilisation[role], abs=0.05)
 
 
+def with_link(cfg, link):
+    raw = cfg.model_dump(mode="json")
+    raw["compress"]["link"] = link
+    return config_from_dict(raw)
+
+
+@pytest.mark.parametrize(("link", "sent"), [("100mbit", "dynamic8"), ("ib56", "fp32")])
+def test_a_wire_with_a_link_is_priced_as_it_chooses(link, sent):
+    """`compress.link`: pushes go 8-bit where that is faster on the link (100 Mbit), raw
+    where the codec costs more than the bytes it saves (a 12.7k-value shard on FDR
+    InfiniBand: 17 us raw, over 50 us encoded), in bytes and in codec time."""
+    cfg = with_link(config(num_shards=2, steps=20, codec="dynamic8"), link)
+    cal = calibration(cfg)
+    sim = DownpourSim(cfg, Setting(cal, machines=1))
+    ranges = shard_ranges(NUM_PARAMETERS, 2)
+    assert sim.push_codecs == [sent, sent]
+    assert sim.push_bytes == [
+        4 * (b - a) if sent == "fp32" else payload_size(sent, (b - a,), 0) for a, b in ranges
+    ]
+    result = sim.run()
+    assert result.bytes_by_kind["push"] == result.extra["pushes"] * sum(sim.push_bytes)
+
+
 @pytest.mark.usefixtures("ray_session")
-def test_byte_counts_equal_a_real_runs(tmp_path):
+@pytest.mark.parametrize(("link", "sent"), [(None, "dynamic8"), ("ib56", "fp32")])
+def test_byte_counts_equal_a_real_runs(tmp_path, link, sent):
     """One replica, two shards, 8-bit pushes, n_fetch 2, n_push 3: the simulated pushes
-    carry exactly the bytes that pushes.jsonl records, and the pulls too."""
-    cfg = config(num_shards=2, steps=40, codec="dynamic8", n_fetch=2, n_push=3)
+    carry exactly the bytes that pushes.jsonl records, and the pulls too; with a link on
+    which raw is faster, both send raw."""
+    cfg = with_link(config(num_shards=2, steps=40, codec="dynamic8", n_fetch=2, n_push=3), link)
     raw = cfg.model_dump(mode="json")
     raw["run"]["out_dir"] = str(tmp_path)
     result = fit(raw)
     records = [json.loads(line) for line in (result.run_dir / PUSHES_FILE).read_text().splitlines()]
     sim = DownpourSim(cfg, Setting(calibration(cfg), machines=1)).run()
     ranges = shard_ranges(NUM_PARAMETERS, 2)
-    per_push = sum(payload_size("dynamic8", (b - a,), 0) for a, b in ranges)
+    per_push = sum(
+        4 * (b - a) if sent == "fp32" else payload_size(sent, (b - a,), 0) for a, b in ranges
+    )
     assert sim.extra["pushes"] == len(records) == 14  # ceil(40 / 3)
     assert sim.bytes_by_kind["push"] == sum(r["bytes_sent"] for r in records) == 14 * per_push
     assert sim.extra["pulls"] == 20  # every n_fetch = 2 steps

@@ -7,15 +7,22 @@ sends messages of 10k to 64M float32 values to host 1, 20 times each after a war
 - raw:             send the float32 tensor;
 - 8-bit:           encode (dynamic8, absmax per tensor), send codes + scale, decode;
 - 8-bit pipelined: the same in chunks of 1M values, encoding chunk k + 1 while chunk k is
-                   on the wire and decoding chunk k while k + 1 arrives.
+                   on the wire and decoding chunk k while k + 1 arrives;
+- auto:            what `scaleout.compress.transfer.plan` chooses for the message: raw, or
+                   8-bit in the pieces it prices fastest, from the link measured between the
+                   two hosts beforehand (`bench.testnet.measure_link`) and the codec's cost
+                   measured by host 0 at start (and handed to host 1, so both plan alike).
+                   The caller asks for nothing: this is the mode a user gets.
 
 Each repetition starts at a barrier and ends when host 0 receives a one-byte
 acknowledgement sent after host 1 has the message (decoded): the time includes one small
 message's latency for every variant alike. Both processes use one thread. The receiver
-checks once per size that what it decoded is exactly decode(encode(x)).
+checks once per size that what it decoded is exactly decode(encode(x)) (x for raw). Large
+messages on slow links repeat fewer times (at least 3; about 4 s per size and mode).
 
-Target: 8-bit >= 3.5x faster than raw from 1M values on (the paper: about 2x), and never
-slower at 10k; measured at 1 Gbit/s and at 10 Gbit/s.
+Targets (for auto, the mode a user gets): >= 3.5x faster than raw from 1M values at 1
+Gbit/s (the paper: about 2x), and never slower than raw: >= 1.0x at 10k values and at 10
+Gbit/s.
 """
 
 from __future__ import annotations
@@ -29,18 +36,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.bench.testnet import measure_link
 from scaleout.comm import destroy_distributed, join_group
+from scaleout.compress.transfer import CodecSpeed, LinkSpeed, Plan, plan
 
 SIZES = [10_000, 100_000, 1_000_000, 4_000_000, 16_000_000, 64_000_000]
 REPS = int(os.environ.get("SCALEOUT_BENCH_CODECS_REPS", 20))
-RATES = ["1gbit", "10gbit"]
+MIN_REPS = 3
+BUDGET_S = 4.0  # per size and mode: fewer repetitions where raw takes longer
+RATES = ["100mbit", "1gbit", "10gbit"]
 CHUNK = 1 << 20
-MODES = ["raw", "8-bit", "8-bit pipelined"]
+MODES = ["raw", "8-bit", "8-bit pipelined", "auto"]
 PORT = 29517
 
 
@@ -52,45 +64,82 @@ def testnet_path() -> Path:
 # --- the two processes --------------------------------------------------------------------
 
 
-def _send(mode: str, x: torch.Tensor, codec) -> None:  # noqa: ANN001 - a Codec
+def _pieces(mode: str, n: int, auto: Plan) -> int | None:
+    """Values per encoded piece for `mode` (None: raw)."""
+    if mode == "raw" or (mode == "auto" and not auto.encoded):
+        return None
+    return {"8-bit": n, "8-bit pipelined": CHUNK, "auto": auto.chunk}[mode]
+
+
+def _send(chunk: int | None, x: torch.Tensor, codec) -> None:  # noqa: ANN001 - a Codec
     from scaleout.compress.payload import pack
 
-    if mode == "raw":
+    if chunk is None:
         dist.send(x, 1)
         return
-    chunk = CHUNK if mode == "8-bit pipelined" else x.numel()
     works = [dist.isend(pack(codec.encode(part)), 1) for part in x.split(chunk)]
     for work in works:
         work.wait()
 
 
-def _receive(mode: str, out: torch.Tensor, codec, templates: list) -> list[torch.Tensor]:  # noqa: ANN001
-    """Receive one message (into `out` if raw); `templates`: one Encoded per chunk."""
+def _receive(chunk: int | None, out: torch.Tensor, codec, templates: list) -> None:  # noqa: ANN001
+    """Receive one message into `out`; `templates`: one Encoded per piece."""
     from scaleout.compress.payload import packed_size, unpack
 
-    if mode == "raw":
+    if chunk is None:
         dist.recv(out, 0)
-        return [out]
+        return
     buffers = [torch.empty(packed_size(t), dtype=torch.uint8) for t in templates]
     works = [dist.irecv(buffer, 0) for buffer in buffers]
-    decoded = []
-    for work, buffer, template in zip(works, buffers, templates, strict=True):
+    for work, buffer, template, part in zip(
+        works, buffers, templates, out.split(chunk), strict=True
+    ):
         work.wait()
-        decoded.append(codec.decode(unpack(buffer, template)))
-    return decoded
+        codec.decode(unpack(buffer, template), out=part)
 
 
-def _templates(mode: str, n: int, codec) -> list:  # noqa: ANN001
-    """The layout of each chunk's payload, known to the receiver in advance."""
-    chunk = CHUNK if mode == "8-bit pipelined" else n
+def _templates(chunk: int | None, n: int, codec) -> list:  # noqa: ANN001
+    """The layout of each piece's payload, known to the receiver in advance."""
+    if chunk is None:
+        return []
     return [codec.encode(torch.zeros(min(chunk, n - start))) for start in range(0, n, chunk)]
 
 
-def worker(rank: int, master: str, port: int, out: Path, sizes: list[int], reps: int) -> None:
-    from scaleout.compress import get, kernels
+def _reps(n: int, link: LinkSpeed, reps: int) -> int:
+    """Repetitions for a message of n values: raw's predicted time within BUDGET_S."""
+    return max(MIN_REPS, min(reps, int(BUDGET_S / link.seconds(4 * n))))
 
-    with kernels.compiling("always"):  # small messages too: the latency matters here
-        _exchange(rank, master, port, out, sizes, reps, get("dynamic8"))
+
+def _agreed_speed(rank: int, codec) -> CodecSpeed:  # noqa: ANN001
+    """Host 0 measures the codec (encode + pack, unpack + decode); host 1 takes its word."""
+    from scaleout.compress.payload import pack, packed_size, unpack
+
+    values = torch.zeros(4)
+    if rank == 0:
+
+        layouts = {}  # the receiver knows each piece's layout in advance
+
+        def receive(buffer: torch.Tensor) -> torch.Tensor:
+            numel = buffer.numel() - 5  # codes, one float32 scale, the flag byte
+            if numel not in layouts:
+                layouts[numel] = (codec.encode(torch.zeros(numel)), torch.empty(numel))
+            like, out = layouts[numel]
+            assert packed_size(like) == buffer.numel()
+            return codec.decode(unpack(buffer, like), out=out)
+
+        speed = CodecSpeed.measure(lambda x: pack(codec.encode(x)), receive)
+        values = torch.tensor(list(speed.to_dict().values()), dtype=torch.float64)
+    values = values.to(torch.float64)
+    dist.broadcast(values, 0)
+    return CodecSpeed(*values.tolist())
+
+
+def worker(
+    rank: int, master: str, port: int, out: Path, sizes: list[int], reps: int, link: LinkSpeed
+) -> None:
+    from scaleout.compress import get
+
+    _exchange(rank, master, port, out, sizes, reps, get("dynamic8"), link)
 
 
 def _exchange(
@@ -101,39 +150,48 @@ def _exchange(
     sizes: list[int],
     reps: int,
     codec,  # noqa: ANN001
+    link: LinkSpeed,
 ) -> None:
+    from scaleout.compress.payload import payload_size
 
     torch.set_num_threads(1)
     join_group(rank, 2, master, port, backend="gloo")
     ack = torch.zeros(1, dtype=torch.uint8)
     times: dict[str, dict[int, list[float]]] = {mode: {} for mode in MODES}
     try:
+        speed = _agreed_speed(rank, codec)
+        plans = {}
         for n in sizes:
             x = torch.randn(n, generator=torch.Generator().manual_seed(n))
             received = torch.empty(n)
+            plans[n] = auto = plan(n, link, speed, lambda k: payload_size("dynamic8", (k,), 0))
             for mode in MODES:
                 times[mode][n] = []
-                templates = _templates(mode, n, codec) if mode != "raw" else []
-                for rep in range(reps + 1):
+                chunk = _pieces(mode, n, auto)
+                templates = _templates(chunk, n, codec)
+                for rep in range(_reps(n, link, reps) + 1):
                     dist.barrier()
                     start = time.perf_counter()
                     if rank == 0:
-                        _send(mode, x, codec)
+                        _send(chunk, x, codec)
                         dist.recv(ack, 1)
                     else:
-                        parts = _receive(mode, received, codec, templates)
+                        _receive(chunk, received, codec, templates)
                         dist.send(ack, 0)
-                        if rep == 0 and mode != "raw":  # exact, outside the timing
-                            expected = (
-                                codec.roundtrip(x)
-                                if mode == "8-bit"
-                                else torch.cat([codec.roundtrip(p) for p in x.split(CHUNK)])
+                        if rep == 0:  # exact, outside the timing
+                            pieces = x.split(chunk) if chunk is not None else [x]
+                            expected = torch.cat(
+                                [codec.roundtrip(p) if chunk else p for p in pieces]
                             )
-                            assert torch.equal(torch.cat(parts), expected), (mode, n)
+                            assert torch.equal(received, expected), (mode, n)
                     if rep:
                         times[mode][n].append(time.perf_counter() - start)
         if rank == 0:
-            out.write_text(json.dumps(times))
+            chosen = {
+                str(n): {"encoded": p.encoded, "chunk": p.chunk, "predicted_s": p.seconds}
+                for n, p in plans.items()
+            }
+            out.write_text(json.dumps({"times": times, "plans": chosen, "speed": speed.to_dict()}))
     finally:
         destroy_distributed()
 
@@ -141,7 +199,7 @@ def _exchange(
 # --- the driver ---------------------------------------------------------------------------
 
 
-def run_pair(rate: str, sizes: list[int], reps: int) -> dict[str, dict[str, list[float]]]:
+def run_pair(rate: str, sizes: list[int], reps: int, link: LinkSpeed) -> dict[str, Any]:
     """Bring up two hosts at `rate`, run the pair, always take the network down."""
     testnet = str(testnet_path())
     env = {**os.environ, "TESTNET_PREFIX": f"cq{os.getpid() % 10000}", "GLOO_SOCKET_IFNAME": "eth0"}
@@ -154,6 +212,7 @@ def run_pair(rate: str, sizes: list[int], reps: int) -> dict[str, dict[str, list
             out = Path(tmp) / "times.json"
             args = ["--master", master, "--port", str(PORT), "--out", str(out), "--reps", str(reps)]
             args += ["--sizes", *map(str, sizes)]
+            args += ["--link", str(link.bytes_per_s), str(link.latency_s)]
             command = [sys.executable, "-m", __name__, *args]
             procs = [
                 subprocess.Popen(
@@ -178,26 +237,38 @@ def label(n: int) -> str:
     return f"{n // 1_000_000}M" if n >= 1_000_000 else f"{n // 1000}k"
 
 
-def rows_for(rate: str, times: dict[str, dict[str, list[float]]]) -> list[Row]:
+def rows_for(rate: str, result: dict[str, Any]) -> list[Row]:
+    times = result["times"]
     rows = []
     for n in SIZES:
         medians = {mode: statistics.median(times[mode][str(n)]) for mode in MODES}
         for mode in MODES:
-            ms = 1e3 * medians[mode]
-            rows.append(Row(f"transfer {rate} {label(n)} floats {mode}", ms, "ms", "lower"))
+            samples = times[mode][str(n)]
+            spread = (max(samples) - min(samples)) / medians[mode]
+            reps = f"spread {spread:.0%}, {len(samples)} reps"
+            name = f"transfer {rate} {label(n)} floats {mode} ({reps})"
+            rows.append(Row(name, 1e3 * medians[mode], "ms", "lower"))
+        chosen = result["plans"][str(n)]
+        way = f"8-bit in pieces of {chosen['chunk']:,}" if chosen["encoded"] else "raw"
         for mode in MODES[1:]:
-            target = 3.5 if n >= 1_000_000 else (1.0 if n == SIZES[0] else None)
+            target = None
+            if mode == "auto":
+                target = 3.5 if (n >= 1_000_000 and rate == "1gbit") else None
+                if n == SIZES[0] or rate == "10gbit":
+                    target = target or 1.0
             speedup = medians["raw"] / medians[mode]
             paper = 2.0 if n >= 250_000 else None
             name = f"transfer {rate} {label(n)} speed-up {mode} vs raw"
+            if mode == "auto":
+                name += f" (chose {way})"
             rows.append(Row(name, speedup, "x", "higher", paper, target))
     return rows
 
 
 def plot(results: dict[str, dict], ax) -> None:  # noqa: ANN001 - a matplotlib axis
-    for rate, times in results.items():
-        for mode, style in zip(MODES, ("-", "--", ":"), strict=True):
-            ms = [1e3 * statistics.median(times[mode][str(n)]) for n in SIZES]
+    for rate, result in results.items():
+        for mode, style in zip(MODES, ("-", "--", ":", "-."), strict=True):
+            ms = [1e3 * statistics.median(result["times"][mode][str(n)]) for n in SIZES]
             ax.plot(SIZES, ms, style, marker="o", label=f"{rate} {mode}")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -211,13 +282,25 @@ def measure() -> tuple[list[Row], list[str], dict]:
     if not testnet_path().exists() or os.geteuid() != 0:
         note = f"transfer skipped: needs root and {testnet_path()} (set SCALEOUT_TESTNET)"
         return [], [note], {}
-    results = {rate: run_pair(rate, SIZES, REPS) for rate in RATES}
+    links = {rate: LinkSpeed(*measure_link(rate)) for rate in RATES}
+    results = {rate: run_pair(rate, SIZES, REPS, links[rate]) for rate in RATES}
     rows = [row for rate in RATES for row in rows_for(rate, results[rate])]
+    measured = "; ".join(
+        f"{rate} {link.bytes_per_s / 1e6:.1f} MB/s, {1e6 * link.latency_s:.0f} us"
+        for rate, link in links.items()
+    )
+    speed = results[RATES[0]]["speed"]
     notes = [
         f"two testnet hosts (network namespaces, tc tbf both ways) at {', '.join(RATES)}; one "
-        f"gloo process per host, 1 thread each; median of {REPS} repetitions after a warm-up; "
+        f"gloo process per host, 1 thread each; median of {REPS} repetitions after a warm-up "
+        f"({MIN_REPS} or more where raw takes over {BUDGET_S:.0f} s in all); "
         "each includes a 1-byte acknowledgement; 8-bit = dynamic8 per tensor (pipelined: "
         f"chunks of {CHUNK:,} values, one absmax each).",
+        f"auto planned with the links as measured first (TCP probe between the hosts): "
+        f"{measured}; and the codec as host 0 measured it at the {RATES[0]} run: "
+        f"encode + pack {1e6 * speed['send_call_s']:.1f} us + "
+        f"{1e9 * speed['send_value_s']:.2f} ns/value, unpack + decode "
+        f"{1e6 * speed['receive_call_s']:.1f} us + {1e9 * speed['receive_value_s']:.2f} ns/value.",
         "Both hosts share this machine's 2 cores (and other engineers' jobs): encode and "
         "decode compete for them, which a real pair of machines would not.",
     ]
@@ -251,5 +334,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, required=True)
     parser.add_argument("--sizes", type=int, nargs="+", required=True)
+    parser.add_argument("--link", type=float, nargs=2, required=True, help="bytes/s latency_s")
     a = parser.parse_args()
-    worker(a.rank, a.master, a.port, a.out, a.sizes, a.reps)
+    worker(a.rank, a.master, a.port, a.out, a.sizes, a.reps, LinkSpeed(*a.link))

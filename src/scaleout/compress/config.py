@@ -9,6 +9,7 @@ from pydantic import PositiveInt, model_validator
 
 from scaleout.compress.codecs import Codec
 from scaleout.compress.registry import CODEC_NAMES, from_config
+from scaleout.compress.transfer import LinkSpeed
 from scaleout.config import Section
 
 CodecName = Literal[CODEC_NAMES]  # type: ignore[valid-type]
@@ -23,12 +24,19 @@ class CompressSection(Section):
     rounding: Literal["nearest", "paper"] = "nearest"
     exponent_offset: int | None = None  # static8 / mantissa8; None: the codec's default
     error_feedback: bool = False  # keep the quantisation residual and add it to the next message
+    # The link messages cross ("1gbit", "10gbit", a rate such as "250mbit"): set, each
+    # message travels encoded only where that is faster than raw on this link, priced with
+    # the codec's cost measured on this machine (`scaleout.compress.transfer`); None: always
+    # encoded.
+    link: str | None = None
 
     @model_validator(mode="after")
     def _options_apply(self) -> CompressSection:
         """An option the codec does not have (a block size for fp16) is an error here, not
         in a worker that builds the codec."""
         self.build()  # raises ValueError naming the option and the codecs it applies to
+        if self.link is not None:
+            LinkSpeed.parse(self.link, "compress.link =")
         return self
 
     @property

@@ -47,6 +47,13 @@ class ErrorFeedback(Codec):
             return v
         return v + residual
 
+    def spend(self, x: torch.Tensor, key: Hashable | None = None) -> torch.Tensor:
+        """x plus the residual kept for `key`, as float32, for a message that carries it
+        exactly (sent raw): the residual is then spent."""
+        v = self.compensate(x, key)
+        self.residuals.pop(self._key(x, key), None)
+        return v
+
     def remember(self, key: Hashable | None, sent: torch.Tensor, received: torch.Tensor) -> None:
         """Keep `sent - received` (the error of this message) for `key`. A non-finite
         residual (a flagged message) is not kept: it would poison every later message."""

@@ -63,6 +63,7 @@ from scaleout.sim.calibration import MessageCost
 from scaleout.sim.engine import Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
+from scaleout.sim.wire import wire_codec
 
 CHUNK_STEPS = 20  # scaleout.strategies.downpour.strategy.CHUNK_STEPS
 STEADY_STEPS_PER_REPLICA = 120  # simulated (6 chunks) when the run itself is longer
@@ -155,12 +156,12 @@ class DownpourSim:
         self.warm_counts: tuple[int, int, int, dict[str, int]] = (0, 0, 0, {})
         self.warm_calls = (0, 0)  # pushes, pulls by the end of the warm start
         compress = config.compress
-        self.codec = compress.codec
+        self.push_codecs = [wire_codec(self.cal, compress, s.numel) for s in self.shards]
         self.push_bytes = [
             4 * s.numel
-            if compress.is_identity
-            else payload_size(compress.codec, (s.numel,), compress.block_size or 0)
-            for s in self.shards
+            if codec == "fp32"
+            else payload_size(codec, (s.numel,), compress.block_size or 0)
+            for s, codec in zip(self.shards, self.push_codecs, strict=True)
         ]
         self.pull_bytes = [4 * s.numel for s in self.shards]
         self.staleness: list[int] = []
@@ -231,7 +232,8 @@ class DownpourSim:
     def _update(self, shard: _Shard, nbytes: int, base_version: int) -> Process:
         """The shard takes a push: the call's callee side, decode, the optimizer's step, and
         every `shard_checkpoint_every` updates a checkpoint."""
-        seconds = self.cal.codec_s(self.codec, shard.numel, "decode") + self.cal.apply_s(
+        codec = self.push_codecs[shard.index]
+        seconds = self.cal.codec_s(codec, shard.numel, "decode") + self.cal.apply_s(
             self.train.optimizer, shard.numel
         )
         yield from self._call(shard.machine, self.cal.push, nbytes, caller=False)
@@ -262,7 +264,9 @@ class DownpourSim:
         """Encode the gradient per shard and put each slice into the object store; the
         shards apply them meanwhile (`replica.pending`)."""
         machine = self.cluster.machines[replica.machine]
-        encode = sum(self.cal.codec_s(self.codec, s.numel, "encode") for s in self.shards)
+        encode = sum(
+            self.cal.codec_s(self.push_codecs[s.index], s.numel, "encode") for s in self.shards
+        )
         yield from machine.work(encode)
         for nbytes in self.push_bytes:  # into the object store, a call per shard
             yield from self._call(replica.machine, self.cal.push, nbytes, caller=True)

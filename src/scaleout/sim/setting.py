@@ -7,39 +7,19 @@ module's docstring.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from scaleout.compress.transfer import LINKS, LinkSpeed
 from scaleout.errors import ConfigError
 from scaleout.sim.calibration import Calibration, ModelCost
 from scaleout.sim.engine import Cluster, Link
 
-# Named links: (bytes/s each way, one-way latency in seconds, incl. the network stack).
-LINKS: dict[str, tuple[float, float]] = {
-    "100mbit": (100e6 / 8, 100e-6),
-    "1gbit": (1e9 / 8, 50e-6),
-    "10gbit": (10e9 / 8, 20e-6),
-    "ib56": (56e9 / 8 * 64 / 66, 2e-6),  # FDR InfiniBand 4x, 64b/66b coding
-}
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(k|m|g)?(bit|b)?\s*$", re.IGNORECASE)
-
 
 def parse_link(text: str) -> tuple[float, float]:
     """A link by name (`1gbit`, `ib56`, ...) or rate (`250mbit`): (bytes/s, latency s)."""
-    key = text.strip().lower()
-    if key in LINKS:
-        return LINKS[key]
-    match = _RATE.match(key)
-    if match is None or match.group(3) is None:
-        raise ConfigError(
-            f"--link {text!r}: give one of {', '.join(LINKS)} or a rate such as 250mbit"
-        )
-    value = float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9, None: 1.0}[match.group(2)]
-    per_s = value / 8 if match.group(3).lower() == "bit" else value
-    if per_s <= 0:
-        raise ConfigError(f"--link {text!r}: the rate must be > 0")
-    return per_s, 50e-6
+    link = LinkSpeed.parse(text)
+    return link.bytes_per_s, link.latency_s
 
 
 @dataclass

@@ -5,7 +5,10 @@ this sum for fp32 against a codec's."""
 
 from __future__ import annotations
 
+from scaleout.compress import CompressSection
 from scaleout.compress.payload import payload_size
+from scaleout.compress.transfer import CodecSpeed
+from scaleout.ps.wire import Wire
 from scaleout.sim.calibration import Calibration
 from scaleout.sim.engine import Cluster, Link
 
@@ -30,3 +33,28 @@ def transfer_s(
     done = cluster.env.process(message())
     cluster.run(done)
     return cluster.env.now
+
+
+def codec_speed(calibration: Calibration, codec: str) -> CodecSpeed:
+    """The calibrated codec cost as a call cost plus a cost per value (a line through its
+    prices at 4k and 256k values), as `transfer.plan` takes it."""
+    small, large = 1 << 12, 1 << 18
+    fits = []
+    for which in ("encode", "decode"):
+        a, b = (calibration.codec_s(codec, n, which) for n in (small, large))
+        per_value = max(0.0, (b - a) / (large - small))
+        fits.append((max(0.0, a - per_value * small), per_value))
+    (send_call, send_value), (receive_call, receive_value) = fits
+    return CodecSpeed(send_call, send_value, receive_call, receive_value)
+
+
+def wire_codec(calibration: Calibration, compress: CompressSection, numel: int) -> str:
+    """The codec a parameter-server `Wire` sends `numel` values with: `compress.codec`, or
+    fp32 where `compress.link` is set and raw is faster on it (the library's own choice,
+    priced with the calibrated codec cost instead of one measured at run time)."""
+    if compress.is_identity or compress.codec == "fp32":
+        return "fp32"
+    if compress.link is None:
+        return compress.codec
+    wire = Wire(compress, speed=codec_speed(calibration, compress.codec))
+    return compress.codec if wire.encodes(numel) else "fp32"
