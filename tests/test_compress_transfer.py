@@ -30,6 +30,17 @@ def test_link_by_name_and_rate():
     assert LinkSpeed(1e6, 0.01).seconds(1000) == pytest.approx(0.011)
 
 
+def test_a_measured_link_is_the_robust_line_through_its_times():
+    """Messages at 1 ms + bytes / 1 MB/s, one size disturbed tenfold: the line holds."""
+    times = [(b, 1e-3 + b / 1e6) for b in (10, 1_000, 10_000, 100_000, 1_000_000)]
+    times[2] = (10_000, 10 * times[2][1])
+    link = LinkSpeed.from_times(times)
+    assert link.bytes_per_s == pytest.approx(1e6, rel=1e-6)
+    assert link.latency_s == pytest.approx(1e-3, rel=1e-6)
+    with pytest.raises(ValueError, match="two sizes"):
+        LinkSpeed.from_times([(10, 1.0)])
+
+
 def test_one_piece_is_encode_wire_decode():
     link = LinkSpeed(1e6, 0.01)
     speed = CodecSpeed(1e-3, 1e-7, 2e-3, 2e-7)

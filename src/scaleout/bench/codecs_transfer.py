@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -42,14 +43,18 @@ import torch
 import torch.distributed as dist
 
 from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.bench.testnet import measure_link
 from scaleout.comm import destroy_distributed, join_group
 from scaleout.compress.transfer import CodecSpeed, LinkSpeed, Plan, plan
 
 SIZES = [10_000, 100_000, 1_000_000, 4_000_000, 16_000_000, 64_000_000]
 REPS = int(os.environ.get("SCALEOUT_BENCH_CODECS_REPS", 20))
 MIN_REPS = 3
-BUDGET_S = 4.0  # per size and mode: fewer repetitions where raw takes longer
+# testnet's links are token buckets of 512 KiB: on an idle link a message below that
+# crosses at memory speed, which no real link does; each timed message follows a filler
+# that empties the bucket, so that it meets the link at its rate, as on a busy one.
+FILLER_BYTES = 512 * 1024 + 64 * 1024
+LINK_PROBES = [1, 2_500, 10_000, 25_000, 100_000, 250_000, 1_000_000]  # values, to time the link
+BUDGET_S = 4.0  # raw's share per size: fewer repetitions where raw takes longer
 RATES = ["100mbit", "1gbit", "10gbit"]
 CHUNK = 1 << 20
 MODES = ["raw", "8-bit", "8-bit pipelined", "auto"]
@@ -106,8 +111,55 @@ def _templates(chunk: int | None, n: int, codec) -> list:  # noqa: ANN001
 
 
 def _reps(n: int, link: LinkSpeed, reps: int) -> int:
-    """Repetitions for a message of n values: raw's predicted time within BUDGET_S."""
-    return max(MIN_REPS, min(reps, int(BUDGET_S / link.seconds(4 * n))))
+    """Repetitions for a message of n values: raw's predicted time (and the filler's)
+    within BUDGET_S, from
+    MIN_REPS up to 25 * `reps` (small messages are noisy and cheap)."""
+    each = link.seconds(4 * n) + link.seconds(FILLER_BYTES)
+    return max(MIN_REPS, min(25 * reps, int(BUDGET_S / each)))
+
+
+def _one(
+    rank: int,
+    chunk: int | None,
+    x: torch.Tensor,
+    received: torch.Tensor,
+    codec,  # noqa: ANN001 - a Codec
+    templates: list,
+) -> float:
+    """One message from host 0 to host 1 and a 1-byte acknowledgement back: seconds. A
+    filler goes first, untimed, so that the message meets the link at its rate."""
+    ack = torch.zeros(1, dtype=torch.uint8)
+    filler = torch.zeros(FILLER_BYTES, dtype=torch.uint8)
+    if rank == 0:
+        dist.send(filler, 1)
+    else:
+        dist.recv(filler, 0)
+    dist.barrier()
+    start = time.perf_counter()
+    if rank == 0:
+        _send(chunk, x, codec)
+        dist.recv(ack, 1)
+    else:
+        _receive(chunk, received, codec, templates)
+        dist.send(ack, 0)
+    return time.perf_counter() - start
+
+
+def _measured_link(rank: int) -> tuple[LinkSpeed, list[float]]:
+    """The link as gloo messages cross it: a line through raw messages timed by size (host
+    0's medians, handed to host 1), and those medians."""
+    measured = []
+    for n in LINK_PROBES:
+        x, received = torch.zeros(n), torch.empty(n)
+        _one(rank, None, x, received, None, [])
+        reps = 40 if n <= 100_000 else 5
+        times = [_one(rank, None, x, received, None, []) for _ in range(reps)]
+        measured.append(statistics.median(times))
+    values = torch.tensor(measured, dtype=torch.float64)
+    dist.broadcast(values, 0)
+    probes = values.tolist()
+    link = LinkSpeed.from_times([(4 * n, t) for n, t in zip(LINK_PROBES, probes, strict=True)])
+    return link, probes
 
 
 def _agreed_speed(rank: int, codec) -> CodecSpeed:  # noqa: ANN001
@@ -116,7 +168,6 @@ def _agreed_speed(rank: int, codec) -> CodecSpeed:  # noqa: ANN001
 
     values = torch.zeros(4)
     if rank == 0:
-
         layouts = {}  # the receiver knows each piece's layout in advance
 
         def receive(buffer: torch.Tensor) -> torch.Tensor:
@@ -134,12 +185,10 @@ def _agreed_speed(rank: int, codec) -> CodecSpeed:  # noqa: ANN001
     return CodecSpeed(*values.tolist())
 
 
-def worker(
-    rank: int, master: str, port: int, out: Path, sizes: list[int], reps: int, link: LinkSpeed
-) -> None:
+def worker(rank: int, master: str, port: int, out: Path, sizes: list[int], reps: int) -> None:
     from scaleout.compress import get
 
-    _exchange(rank, master, port, out, sizes, reps, get("dynamic8"), link)
+    _exchange(rank, master, port, out, sizes, reps, get("dynamic8"))
 
 
 def _exchange(
@@ -150,48 +199,57 @@ def _exchange(
     sizes: list[int],
     reps: int,
     codec,  # noqa: ANN001
-    link: LinkSpeed,
 ) -> None:
+    """Each size: every mode once per repetition, in an order drawn per repetition (the
+    same on both hosts), so that drift in the machine's load and whatever one message
+    leaves behind for the next fall on all modes alike; repetition 0 warms up and checks
+    exactness."""
     from scaleout.compress.payload import payload_size
 
     torch.set_num_threads(1)
     join_group(rank, 2, master, port, backend="gloo")
-    ack = torch.zeros(1, dtype=torch.uint8)
     times: dict[str, dict[int, list[float]]] = {mode: {} for mode in MODES}
     try:
+        link, probes = _measured_link(rank)
         speed = _agreed_speed(rank, codec)
         plans = {}
         for n in sizes:
             x = torch.randn(n, generator=torch.Generator().manual_seed(n))
             received = torch.empty(n)
             plans[n] = auto = plan(n, link, speed, lambda k: payload_size("dynamic8", (k,), 0))
+            chunks = {mode: _pieces(mode, n, auto) for mode in MODES}
+            templates = {mode: _templates(chunks[mode], n, codec) for mode in MODES}
             for mode in MODES:
                 times[mode][n] = []
-                chunk = _pieces(mode, n, auto)
-                templates = _templates(chunk, n, codec)
-                for rep in range(_reps(n, link, reps) + 1):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    if rank == 0:
-                        _send(chunk, x, codec)
-                        dist.recv(ack, 1)
-                    else:
-                        _receive(chunk, received, codec, templates)
-                        dist.send(ack, 0)
-                        if rep == 0:  # exact, outside the timing
-                            pieces = x.split(chunk) if chunk is not None else [x]
-                            expected = torch.cat(
-                                [codec.roundtrip(p) if chunk else p for p in pieces]
-                            )
-                            assert torch.equal(received, expected), (mode, n)
+            for rep in range(_reps(n, link, reps) + 1):
+                for mode in random.Random(rep).sample(MODES, len(MODES)):  # no mode always first
+                    chunk = chunks[mode]
+                    seconds = _one(rank, chunk, x, received, codec, templates[mode])
                     if rep:
-                        times[mode][n].append(time.perf_counter() - start)
+                        times[mode][n].append(seconds)
+                    elif rank == 1:  # exact, outside the timing
+                        pieces = x.split(chunk) if chunk is not None else [x]
+                        expected = torch.cat([codec.roundtrip(p) if chunk else p for p in pieces])
+                        assert torch.equal(received, expected), (mode, n)
         if rank == 0:
             chosen = {
                 str(n): {"encoded": p.encoded, "chunk": p.chunk, "predicted_s": p.seconds}
                 for n, p in plans.items()
             }
-            out.write_text(json.dumps({"times": times, "plans": chosen, "speed": speed.to_dict()}))
+            out.write_text(
+                json.dumps(
+                    {
+                        "times": times,
+                        "plans": chosen,
+                        "speed": speed.to_dict(),
+                        "link": {
+                            "bytes_per_s": link.bytes_per_s,
+                            "latency_s": link.latency_s,
+                            "measured": list(zip(LINK_PROBES, probes, strict=True)),
+                        },
+                    }
+                )
+            )
     finally:
         destroy_distributed()
 
@@ -199,10 +257,11 @@ def _exchange(
 # --- the driver ---------------------------------------------------------------------------
 
 
-def run_pair(rate: str, sizes: list[int], reps: int, link: LinkSpeed) -> dict[str, Any]:
+def run_pair(rate: str, sizes: list[int], reps: int) -> dict[str, Any]:
     """Bring up two hosts at `rate`, run the pair, always take the network down."""
     testnet = str(testnet_path())
-    env = {**os.environ, "TESTNET_PREFIX": f"cq{os.getpid() % 10000}", "GLOO_SOCKET_IFNAME": "eth0"}
+    prefix = f"cq{os.getpid() % 10000}"
+    env = {**os.environ, "TESTNET_PREFIX": prefix, "GLOO_SOCKET_IFNAME": "eth0"}
     subprocess.run([testnet, "up", "2", rate], check=True, env=env, capture_output=True)
     try:
         master = subprocess.run(
@@ -212,7 +271,6 @@ def run_pair(rate: str, sizes: list[int], reps: int, link: LinkSpeed) -> dict[st
             out = Path(tmp) / "times.json"
             args = ["--master", master, "--port", str(PORT), "--out", str(out), "--reps", str(reps)]
             args += ["--sizes", *map(str, sizes)]
-            args += ["--link", str(link.bytes_per_s), str(link.latency_s)]
             command = [sys.executable, "-m", __name__, *args]
             procs = [
                 subprocess.Popen(
@@ -250,6 +308,10 @@ def rows_for(rate: str, result: dict[str, Any]) -> list[Row]:
             rows.append(Row(name, 1e3 * medians[mode], "ms", "lower"))
         chosen = result["plans"][str(n)]
         way = f"8-bit in pieces of {chosen['chunk']:,}" if chosen["encoded"] else "raw"
+        predicted = 1e3 * chosen["predicted_s"]
+        rows.append(
+            Row(f"transfer {rate} {label(n)} auto as the plan priced it", predicted, "ms", "lower")
+        )
         for mode in MODES[1:]:
             target = None
             if mode == "auto":
@@ -282,12 +344,11 @@ def measure() -> tuple[list[Row], list[str], dict]:
     if not testnet_path().exists() or os.geteuid() != 0:
         note = f"transfer skipped: needs root and {testnet_path()} (set SCALEOUT_TESTNET)"
         return [], [note], {}
-    links = {rate: LinkSpeed(*measure_link(rate)) for rate in RATES}
-    results = {rate: run_pair(rate, SIZES, REPS, links[rate]) for rate in RATES}
+    results = {rate: run_pair(rate, SIZES, REPS) for rate in RATES}
     rows = [row for rate in RATES for row in rows_for(rate, results[rate])]
     measured = "; ".join(
-        f"{rate} {link.bytes_per_s / 1e6:.1f} MB/s, {1e6 * link.latency_s:.0f} us"
-        for rate, link in links.items()
+        f"{rate} {r['link']['bytes_per_s'] / 1e6:.1f} MB/s, {1e6 * r['link']['latency_s']:.0f} us"
+        for rate, r in results.items()
     )
     speed = results[RATES[0]]["speed"]
     notes = [
@@ -296,7 +357,11 @@ def measure() -> tuple[list[Row], list[str], dict]:
         f"({MIN_REPS} or more where raw takes over {BUDGET_S:.0f} s in all); "
         "each includes a 1-byte acknowledgement; 8-bit = dynamic8 per tensor (pipelined: "
         f"chunks of {CHUNK:,} values, one absmax each).",
-        f"auto planned with the links as measured first (TCP probe between the hosts): "
+        "Every timed message follows an untimed filler of 576 KiB that empties the testnet "
+        "link's 512 KiB token bucket: an idle bucket lets smaller messages through at memory "
+        "speed, which no real link does. auto planned with the link as raw gloo messages of 1 "
+        "to 1M values crossed it first (a Theil-Sen line through their medians: bandwidth, "
+        "fixed cost of a message incl. the acknowledgement): "
         f"{measured}; and the codec as host 0 measured it at the {RATES[0]} run: "
         f"encode + pack {1e6 * speed['send_call_s']:.1f} us + "
         f"{1e9 * speed['send_value_s']:.2f} ns/value, unpack + decode "
@@ -334,6 +399,5 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, required=True)
     parser.add_argument("--sizes", type=int, nargs="+", required=True)
-    parser.add_argument("--link", type=float, nargs=2, required=True, help="bytes/s latency_s")
     a = parser.parse_args()
-    worker(a.rank, a.master, a.port, a.out, a.sizes, a.reps, LinkSpeed(*a.link))
+    worker(a.rank, a.master, a.port, a.out, a.sizes, a.reps)

@@ -7,8 +7,8 @@ cost per call can exceed the wire time it saves, and 8 bits would slow the trans
 `plan()` prices both from two measured things and picks the faster:
 
 - the link (`LinkSpeed`): bytes per second each way and one-way latency, by name
-  (`1gbit`, `10gbit`, `ib56`, ...), as a rate (`250mbit`) or measured
-  (`scaleout calibrate --testnet RATE`);
+  (`1gbit`, `10gbit`, `ib56`, ...), as a rate (`250mbit`), or measured: a line through
+  messages timed by size (`LinkSpeed.from_times`);
 - the codec on this machine (`CodecSpeed.measure`): seconds per call and per value for
   the sender's side (encode, serialise) and the receiver's (deserialise, decode).
 
@@ -49,7 +49,8 @@ MIN_CHUNK = 1 << 16  # below this a chunk's fixed costs dominate: no finer pipel
 
 @dataclass(frozen=True)
 class LinkSpeed:
-    """One direction of a link: payload bytes per second and one-way latency."""
+    """One direction of a link: payload bytes per second and the fixed seconds of a
+    message (latency, incl. the network stack)."""
 
     bytes_per_s: float
     latency_s: float
@@ -71,6 +72,18 @@ class LinkSpeed:
         if per_s <= 0:
             raise ConfigError(f"{what} {text!r}: the rate must be > 0")
         return cls(per_s, 50e-6)
+
+    @classmethod
+    def from_times(cls, measured: list[tuple[int, float]]) -> LinkSpeed:
+        """The line through messages timed by size, (bytes, seconds) at two or more sizes:
+        the median of the slopes between every two sizes, and the median intercept under
+        it (Theil-Sen), so that one disturbed size does not bend it."""
+        slopes = [(t1 - t0) / (b1 - b0) for b0, t0 in measured for b1, t1 in measured if b1 > b0]
+        if not slopes:
+            raise ValueError("LinkSpeed.from_times needs messages of at least two sizes")
+        slope = max(statistics.median(slopes), 1e-15)
+        intercept = statistics.median(t - slope * b for b, t in measured)
+        return cls(1 / slope, max(intercept, 0.0))
 
     def seconds(self, nbytes: int) -> float:
         """One message of `nbytes` on this link, latency included."""
