@@ -80,7 +80,13 @@ class TestnetCluster:
         return f"{self.hosts[0].address}:{self.port}"
 
     def ray_env(self) -> list[str]:
-        return ["env", "RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN={self.token}"]
+        # workers at niceness 0, as the embedded instance's (`scaleout.runtime`)
+        return [
+            "env",
+            "RAY_AUTH_MODE=token",
+            f"RAY_AUTH_TOKEN={self.token}",
+            "RAY_worker_niceness=0",
+        ]
 
     def tool(self, *args: str, timeout: float = 120) -> str:
         return run_tool(self.prefix, *args, timeout=timeout)
