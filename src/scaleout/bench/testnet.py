@@ -80,13 +80,7 @@ class TestnetCluster:
         return f"{self.hosts[0].address}:{self.port}"
 
     def ray_env(self) -> list[str]:
-        # workers at niceness 0, as the embedded instance's (`scaleout.runtime`)
-        return [
-            "env",
-            "RAY_AUTH_MODE=token",
-            f"RAY_AUTH_TOKEN={self.token}",
-            "RAY_worker_niceness=0",
-        ]
+        return ["env", "RAY_AUTH_MODE=token", f"RAY_AUTH_TOKEN={self.token}"]
 
     def tool(self, *args: str, timeout: float = 120) -> str:
         return run_tool(self.prefix, *args, timeout=timeout)
