@@ -88,13 +88,19 @@ def _train(name: str, root: Path) -> list[dict[str, Any]]:
     }
     raw["train"] |= {"strategy": strategy, **train}
     raw["downpour"] |= downpour
+    return [r for r in fit_metrics(raw) if "test_accuracy" in r]
+
+
+def fit_metrics(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """`scaleout.fit(raw)` in this process (its torch thread count restored after): the
+    run's metrics lines."""
     torch_threads = torch.get_num_threads()
     try:
         result = fit(raw, overwrite=True)
     finally:
         torch.set_num_threads(torch_threads)
     assert result.run_dir is not None
-    return [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "test_accuracy" in r]
+    return read_metrics(result.run_dir / "metrics.jsonl")
 
 
 def _time_to(evals: list[dict[str, Any]], accuracy: float) -> float | None:

@@ -24,11 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from scaleout.api import fit
 from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.metrics import read_metrics
+from scaleout.bench.downpour import fit_metrics
 
 STEPS = 600  # global steps per run
 LOG_EVERY = 50
@@ -76,13 +73,7 @@ def rate(name: str, root: Path) -> float:
     }
     raw["train"] |= {"strategy": strategy}
     raw["downpour"] |= downpour
-    threads = torch.get_num_threads()
-    try:
-        result = fit(raw, overwrite=True)
-    finally:
-        torch.set_num_threads(threads)
-    assert result.run_dir is not None
-    lines = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "examples_per_s" in r]
+    lines = [r for r in fit_metrics(raw) if "examples_per_s" in r]
     return statistics.median(r["examples_per_s"] for r in lines[1:] or lines)
 
 
