@@ -101,5 +101,7 @@ def test_bench_list(capsys):
 @pytest.mark.slow
 def test_bench_single_runs(tmp_path):
     assert main(["bench", "single", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "single.json").read_text())["rows"]
+    # A busy CI machine makes the run contended: it is then written beside, not as, single.json.
+    (written,) = [p for p in tmp_path.glob("single*.json")]
+    rows = json.loads(written.read_text())["rows"]
     assert all(row["value"] > 0 for row in rows)
