@@ -262,6 +262,7 @@ def kill_worker_after_checkpoint(run, step: int, pids: list[int]) -> None:
     threading.Thread(target=kill, daemon=True).start()
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_the_group_from_the_last_checkpoint(ray_session, tmp_path):
     """A dead worker stops its group; the driver starts the group again from the last
     checkpoint, and the run ends as an uninterrupted one would (SGD, no dropout: equal)."""

@@ -126,6 +126,7 @@ def test_trains_records_staleness_and_warm_starts(ray_session, tmp_path):
     assert len(list((downpour.run_dir.path / "shards").glob("shard_*/step_*.json"))) >= 2
 
 
+@pytest.mark.slow
 def test_killed_replica_is_restarted_and_training_completes(ray_session, tmp_path):
     """Kill one of 3 replicas mid-run: the run completes, about as accurate as without it."""
     options = dict(replicas=3, steps=900, warmstart=0)
@@ -142,6 +143,7 @@ def test_killed_replica_is_restarted_and_training_completes(ray_session, tmp_pat
     assert failure["replica"] == 1 and failure["kind"] == "died" and failure["restarted"]
 
 
+@pytest.mark.slow
 def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
     downpour = driver(write_config(tmp_path, steps=600), "downpour.shard_backups=0")
     kill_when(downpour, 200, lambda: downpour.strategy.lanes.servers[0][0].info()[0]["pid"])
@@ -239,6 +241,7 @@ def run_tracking(args: list[str], until=None) -> tuple[subprocess.Popen, set[int
     return proc, started, err
 
 
+@pytest.mark.slow
 def test_cli_interrupt_resume_and_no_process_left(tmp_path):
     """The command as a user runs it: Ctrl-C, --resume, and nothing left running after."""
     path = write_config(tmp_path, steps=800, checkpoint_every=100, eval_every=400)
@@ -331,6 +334,7 @@ def test_replica_0_lost_for_good_during_warm_start_hands_it_to_the_next(ray_sess
     assert {p["replica"] for p in pushes if 60 < p["step"] < 150} == {1}
 
 
+@pytest.mark.slow
 def test_resume_without_shard_checkpoints_starts_from_the_drivers(ray_session, tmp_path, capsys):
     """Shard checkpoints lost (their directory deleted): --resume starts the shards from the
     driver checkpoint's weights, says so, and keeps what the run had learned."""

@@ -173,6 +173,7 @@ def downpour_config(tmp_path, name, num_replicas):
     return path
 
 
+@pytest.mark.slow
 def test_one_grid_as_the_only_downpour_replica_equals_single(tmp_path, single_run, ray_session):
     """Downpour with one replica that is a 1 x 2 grid, fetching and pushing every step: each
     worker's shards apply its own filters' updates (in order: a shard runs one caller's calls

@@ -220,6 +220,7 @@ def assert_killed_replica_changes_nothing(run, reference, batch: int, replica: i
     np.testing.assert_allclose(objectives(run.run_dir), objectives(reference.run_dir), rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_replica_killed_mid_batch_changes_nothing(ray_session, tmp_path):
     reference = sandblaster(tmp_path, "reference", replicas=3)
     reference.train()
@@ -227,6 +228,7 @@ def test_replica_killed_mid_batch_changes_nothing(ray_session, tmp_path):
     assert_killed_replica_changes_nothing(run, reference, batch=4, replica=2)
 
 
+@pytest.mark.slow
 def test_restarted_coordinator_resumes_from_the_shards(ray_session, tmp_path, capsys):
     straight = sandblaster(tmp_path, "straight", iterations=8)
     straight.train()

@@ -189,6 +189,7 @@ def wait_for_checkpoint(run: RunDir, proc: subprocess.Popen, at_least: int) -> N
 LONG = dict(num_train=4096, sizes=[784, 512, 10], steps=2000, checkpoint_every=50, eval_every=500)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_continues_from_last_checkpoint(tmp_path):
     path = write_config(tmp_path, **LONG)
     run = RunDir(tmp_path / "runs" / "t")

