@@ -33,8 +33,10 @@ the sizes' parameter counts in the row names.
 All set-ups live in one group of 4 processes and take turns, one update each, round after
 round (`SCALEOUT_BENCH_MP_WARMUP` rounds untimed, 2; then `SCALEOUT_BENCH_MP_TIMED` rounds,
 5; medians are reported), so that load from other work on this shared machine falls on all
-of them alike. Before each update every process meets at a barrier; processes outside the
-set-up wait there (blocked in gloo, not spinning). An update's time is its slowest worker's.
+of them alike; each round starts one set-up further along the list, so that no set-up
+always follows the same one (what ran before leaves caches and memory in its own state).
+Before each update every process meets at a barrier; processes outside the set-up wait
+there (blocked in gloo, not spinning). An update's time is its slowest worker's.
 "2 independent 1-thread processes" runs the 1-worker update in two processes at once with no
 communication: how much two processes slow each other here (shared memory bandwidth and
 caches, other jobs); each of its processes touches the whole network, a 1x2 worker half.
@@ -198,7 +200,8 @@ def time_updates(size: int, settings: Settings, rank: int, groups: dict[int, Any
     meter = ExchangeMeter()
     with meter.metering():
         for round_ in range(settings.warmup + settings.timed):
-            for setup in plans:
+            first = round_ % len(plans)  # the same on every rank: the barriers match
+            for setup in plans[first:] + plans[:first]:
                 dist.barrier()
                 if rank >= setup.num_ranks:
                     continue
