@@ -181,6 +181,7 @@ def local_forward(
     """
     _check_weight(g, weight)
     _check_activation(xt, weight, (g.in_height, g.in_width, g.in_channels), "input")
+    xt = xt.contiguous()  # field_rows views it by its (H, W, C, N) strides
     n = xt.shape[-1]
     yt = xt.new_empty(g.out_height, g.out_width, g.depth, n)
     blocks = xt.new_empty(g.positions_w, g.block_size, n)
