@@ -195,6 +195,18 @@ def test_forward_and_gradients_equal_loop_over_positions(g, n, seed, direct):
         torch.testing.assert_close(a, b)
 
 
+def test_forward_kernel_reads_a_non_contiguous_input_by_its_values():
+    """W x views the input's field rows by (H, W, C, N) strides: any other memory order of
+    the same values gives the same output."""
+    g = LocalGeometry(3, 9, 11, 5, 2, 2, 1, 2)
+    torch.manual_seed(0)
+    weight = torch.randn(g.weight_shape)
+    xt = torch.randn(4, *g.in_shape).permute(2, 3, 1, 0)  # (H, W, C, N), N outermost in memory
+    assert not xt.is_contiguous()
+    expected = naive_local(from_hwcn(xt), weight, g, None)
+    torch.testing.assert_close(from_hwcn(kernels.local_forward(xt, weight, g)), expected)
+
+
 @settings(max_examples=30, deadline=None)
 @given(g=geometries(), n=st.integers(1, 3), seed=st.integers(0, 2**16), direct=st.booleans())
 def test_transpose_and_its_gradients_equal_loop_over_positions(g, n, seed, direct):
