@@ -19,6 +19,7 @@ import json
 import os
 import pkgutil
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -46,6 +47,20 @@ class Row:
         if self.target is None:
             return None
         return self.value <= self.target if self.better == "lower" else self.value >= self.target
+
+    @classmethod
+    def median_of(
+        cls,
+        name: str,
+        samples: list[float],
+        unit: str,
+        better: Literal["lower", "higher"],
+        paper: float | None = None,
+    ) -> Row:
+        """The median of repeated `samples`, their spread ((max - min) / median) in the name."""
+        median = statistics.median(samples)
+        spread = (max(samples) - min(samples)) / median
+        return cls(f"{name} (spread {spread:.0%})", median, unit, better, paper)
 
 
 @dataclass

@@ -84,10 +84,7 @@ def measure() -> tuple[list[Row], list[str]]:
             for name in SETTINGS:
                 rates[name].append(rate(name, Path(tmp)))
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    rows = []
-    for name, values in rates.items():
-        spread = (max(values) - min(values)) / medians[name]
-        rows.append(Row(f"{name} (spread {spread:.0%})", medians[name], "examples/s", "higher"))
+    rows = [Row.median_of(name, values, "examples/s", "higher") for name, values in rates.items()]
     reference = medians[REFERENCE]
     for name in SETTINGS:
         if name == REFERENCE:

@@ -190,13 +190,6 @@ def _table_one(root: Path, images: Path) -> dict[tuple[int, str], list[float]]:
     return times
 
 
-def _median_row(name: str, samples: list[float], unit: str, **kwargs: Any) -> Row:  # noqa: ANN401
-    """The median of `samples`, with their spread ((max - min) / median) in the name."""
-    median = statistics.median(samples)
-    spread = (max(samples) - min(samples)) / median
-    return Row(f"{name} (spread {spread:.0%})", median, unit, "lower", **kwargs)
-
-
 def _synchronisation(root: Path) -> dict[str, float]:
     """allreduce mode vs plain DDP, average mode, communication share (2 workers)."""
     rng = np.random.default_rng(0)
@@ -261,17 +254,20 @@ def run() -> SuiteResult:
     unit = "s / 20 iterations"
     median = {key: statistics.median(samples) for key, samples in times.items()}
     rows = [
-        _median_row(
+        Row.median_of(
             f"{w} worker{'s' if w > 1 else ''}, {'parallel' if parallel else 'serial'} loading",
             times[(w, "parallel" if parallel else "serial")],
             unit,
+            "lower",
             paper=PAPER[(w, parallel)],
         )
         for w in (1, 2)
         for parallel in (True, False)
     ]
     rows += [
-        _median_row(f"{w} worker{'s' if w > 1 else ''}, compute only", times[(w, "compute")], unit)
+        Row.median_of(
+            f"{w} worker{'s' if w > 1 else ''}, compute only", times[(w, "compute")], unit, "lower"
+        )
         for w in (1, 2)
     ]
     rows += [

@@ -188,9 +188,8 @@ def local_forward(
     cols = g.field * g.in_channels
     for row in range(g.positions_h):
         w = weight[row].reshape(g.positions_w, g.block_size, g.field, cols)  # (P_w, K, field, cols)
-        torch.bmm(
-            w[:, :, 0], field_rows(xt, g, row, 0), out=blocks
-        )  # (P_w, K, cols) @ (P_w, cols, N)
+        # (P_w, K, cols) @ (P_w, cols, N), summed over the field's rows
+        torch.bmm(w[:, :, 0], field_rows(xt, g, row, 0), out=blocks)
         for field_row in range(1, g.field):
             blocks.baddbmm_(w[:, :, field_row], field_rows(xt, g, row, field_row))
         if (s := _row_scale(scale, row)) is not None:
