@@ -207,6 +207,24 @@ def test_forward_kernel_reads_a_non_contiguous_input_by_its_values():
     torch.testing.assert_close(from_hwcn(kernels.local_forward(xt, weight, g)), expected)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("direct", [False, True])
+def test_kernels_split_positions_over_threads_exactly(threads, direct):
+    """5 block positions a row: at 2 threads 4 run as one batched GEMM and 1 alone, at 3
+    threads 3 and 2 (`kernels.batched_head`); every kernel still equals the loop."""
+    g = LocalGeometry(2, 6, 11, 3, 2, 2, 1, 2)  # 2 x 5 positions
+    assert g.positions_w == 5
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernels.batched_head(5) == {1: 5, 2: 4, 3: 3}[threads]
+        test_forward_and_gradients_equal_loop_over_positions.hypothesis.inner_test(
+            g, 3, threads, direct
+        )
+    finally:
+        torch.set_num_threads(saved)
+
+
 @settings(max_examples=30, deadline=None)
 @given(g=geometries(), n=st.integers(1, 3), seed=st.integers(0, 2**16), direct=st.booleans())
 def test_transpose_and_its_gradients_equal_loop_over_positions(g, n, seed, direct):

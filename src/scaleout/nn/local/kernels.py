@@ -112,7 +112,8 @@ def add_transposed_product(
     """
     cols = g.field * g.in_channels  # values of one field row per example
     if cols < DIRECT_ADD_MIN_ROWS:
-        torch.bmm(weight.transpose(1, 2), blocks, out=fields)  # (P_w, F, K) @ (P_w, K, N)
+        # (P_w, F, K) @ (P_w, K, N)
+        bmm_split(weight.transpose(1, 2), blocks, fields, batched_head(g.positions_w))
         scatter_add_fields(fields, xt, g, row)
         return
     n = xt.shape[-1]
@@ -141,6 +142,30 @@ def scatter_blocks(blocks: Tensor, yt: Tensor, g: LocalGeometry, row: int) -> No
     band.view(g.block_height, g.positions_w, run).copy_(
         blocks.view(g.positions_w, g.block_height, run).transpose(0, 1)
     )
+
+
+def batched_head(count: int) -> int:
+    """How many of `count` same-shaped GEMMs run as one batched GEMM: the most that split
+    evenly over torch's threads. torch splits a batch over its threads whole GEMMs at a
+    time, so 5 block positions on 2 threads run 3:2 (at most 83% of both threads); the
+    rest (`bmm_split`) run one by one, each GEMM threaded inside."""
+    threads = torch.get_num_threads()
+    head = count - count % threads
+    return head if head > 0 else count
+
+
+def bmm_split(a: Tensor, b: Tensor, out: Tensor, head: int, accumulate: bool = False) -> None:
+    """out (B, M, N) = a (B, M, K) @ b (B, K, N), or += with `accumulate`: the first `head`
+    as one batched GEMM, the rest one GEMM each (`batched_head`)."""
+    if accumulate:
+        out[:head].baddbmm_(a[:head], b[:head])
+    else:
+        torch.bmm(a[:head], b[:head], out=out[:head])
+    for i in range(head, a.shape[0]):
+        if accumulate:
+            out[i].addmm_(a[i], b[i])
+        else:
+            torch.mm(a[i], b[i], out=out[i])
 
 
 def _check_weight(g: LocalGeometry, weight: Tensor) -> None:
@@ -186,12 +211,13 @@ def local_forward(
     yt = xt.new_empty(g.out_height, g.out_width, g.depth, n)
     blocks = xt.new_empty(g.positions_w, g.block_size, n)
     cols = g.field * g.in_channels
+    head = batched_head(g.positions_w)
     for row in range(g.positions_h):
         w = weight[row].reshape(g.positions_w, g.block_size, g.field, cols)  # (P_w, K, field, cols)
         # (P_w, K, cols) @ (P_w, cols, N), summed over the field's rows
-        torch.bmm(w[:, :, 0], field_rows(xt, g, row, 0), out=blocks)
-        for field_row in range(1, g.field):
-            blocks.baddbmm_(w[:, :, field_row], field_rows(xt, g, row, field_row))
+        for field_row in range(g.field):
+            x = field_rows(xt, g, row, field_row)
+            bmm_split(w[:, :, field_row], x, blocks, head, accumulate=field_row > 0)
         if (s := _row_scale(scale, row)) is not None:
             blocks.mul_(s)
         if bias is not None:
@@ -236,10 +262,11 @@ def local_weight_grad(
     out = xt.new_empty(g.weight_shape) if out is None else out
     fields = xt.new_empty(g.positions_w, g.field_size, n)
     blocks = xt.new_empty(g.positions_w, g.block_size, n)
+    head = batched_head(g.positions_w)
     for row in range(g.positions_h):
         gather_fields(xt, g, row, fields)
         gather_blocks(dt, g, row, blocks)
-        torch.bmm(blocks, fields.transpose(1, 2), out=out[row])  # (P_w, K, N) @ (P_w, N, F)
+        bmm_split(blocks, fields.transpose(1, 2), out[row], head)  # (P_w, K, N) @ (P_w, N, F)
     return out
 
 
