@@ -8,6 +8,7 @@ import simpy
 
 from scaleout.api import config_from_dict, fit
 from scaleout.compress.payload import payload_size
+from scaleout.ps.client import AUTO_PROBE_PUSHES
 from scaleout.ps.layout import shard_ranges
 from scaleout.sim.calibrate import model_key
 from scaleout.sim.calibration import Calibration, CodecCost, MessageCost, ModelCost
@@ -279,6 +280,35 @@ def test_threads_wait_for_a_fetch_after_two_rounds_on_the_same_parameters():
     copy = 4 * NUM_PARAMETERS / cal.flatten_bytes_per_s
     fetch = cal.pull.fixed_s + 4 * NUM_PARAMETERS / cal.pull.bytes_per_s + copy
     assert result.steady_examples_per_s == pytest.approx(2 * n * 64 / fetch, rel=1e-6)
+
+
+def test_auto_threads_as_the_client_decides():
+    """`threads = "auto"`: each replica runs in turn for its first 1 + AUTO_PROBE_PUSHES
+    push windows, then starts its threads when its compute (30 ms a window) hides its
+    communication (a few ms): its run lies between threads off and on, and every push is
+    sent. Where a fetch takes longer than a window's compute, or the replicas' compute takes
+    every core, the run is exactly the run with threads off."""
+    steps, n = 60, 3
+
+    def run(threads, replicas=1, cores=8, pull_bytes_per_s=1e9):
+        cfg = config(num_replicas=replicas, steps=steps, n_fetch=n, n_push=n, threads=threads)
+        cal = calibration(cfg, cores=cores)
+        cal.pull = MessageCost(fixed_s=0.001, bytes_per_s=pull_bytes_per_s)
+        return DownpourSim(cfg, Setting(cal, machines=1)).run()
+
+    off, on, auto = run(False), run(True), run("auto")
+    assert on.run_s < auto.run_s < off.run_s
+    assert auto.extra["pushes"] == off.extra["pushes"] == steps // n
+    # the probes' fetches in turn, the threads' first, then one every n steps
+    probed = AUTO_PROBE_PUSHES + 1
+    assert auto.extra["pulls"] == probed + 1 + (steps - probed * n) // n
+    slow_fetch = 1e6  # 0.1 s a fetch against 30 ms of compute a window
+    assert (
+        run("auto", pull_bytes_per_s=slow_fetch).run_s
+        == run(False, pull_bytes_per_s=slow_fetch).run_s
+    )
+    # 2 replicas of 1 thread on 2 cores: no core to spare for the threads
+    assert run("auto", replicas=2, cores=2).run_s == run(False, replicas=2, cores=2).run_s
 
 
 def test_replicas_on_machines_cross_the_link():

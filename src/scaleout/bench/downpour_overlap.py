@@ -7,7 +7,9 @@ the end:
 
 - one single-threaded worker (strategy "single"): the reference;
 - Downpour with 1 and 2 replicas, `downpour.threads` off (fetch, compute and push in turn
-  in one thread) and on (a fetch thread and a push thread beside the compute thread).
+  in one thread) and on (a fetch thread and a push thread beside the compute thread), and
+  one replica with the default "auto" (2 replicas of one thread leave no core to spare on
+  2 cores: "auto" is off there, the "off" rows).
 
 Each rate is the median `examples_per_s` of a run's metrics lines after the first (the
 warm-up), over `REPEATS` runs of each setting taken in turn (a drift in the machine's load
@@ -57,6 +59,7 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     "single worker, 1 thread": ("single", {}),
     "downpour R=1, threads off": ("downpour", {"num_replicas": 1, "threads": False}),
     "downpour R=1, threads on": ("downpour", {"num_replicas": 1, "threads": True}),
+    "downpour R=1, threads auto (the default)": ("downpour", {"num_replicas": 1}),
     "downpour R=2, threads off": ("downpour", {"num_replicas": 2, "threads": False}),
     "downpour R=2, threads on": ("downpour", {"num_replicas": 2, "threads": True}),
 }

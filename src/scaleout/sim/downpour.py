@@ -58,6 +58,7 @@ import simpy
 
 from scaleout.compress.payload import payload_size
 from scaleout.nn.optim import STATE_BUFFERS
+from scaleout.ps.client import AUTO_PROBE_PUSHES, threads_pay
 from scaleout.ps.layout import shard_ranges
 from scaleout.sim.calibration import MessageCost
 from scaleout.sim.engine import Process
@@ -109,6 +110,10 @@ class _Replica:
     pending: list[simpy.Event] = field(default_factory=list)
     free: simpy.Event | None = None  # set when its current chunk ends
     threads: _Threads | None = None
+    # `threads = "auto"`: (compute, communication) seconds of each push window measured so
+    # far (None once decided), and the window now running, as `ReplicaClient` measures them
+    probe: list[tuple[float, float]] | None = None
+    window: list[float] | None = None
 
 
 class DownpourSim:
@@ -282,6 +287,39 @@ class DownpourSim:
         seconds = 4 * self.numel / self.cal.flatten_bytes_per_s
         yield from self.cluster.machines[replica.machine].work(seconds)
 
+    def _workers_per_replica(self) -> int:
+        grid = getattr(self.config, "model_parallel", None)
+        return grid.num_workers if grid is not None else 1
+
+    def _spare_core(self) -> bool:
+        """As `Downpour._spare_core`: another machine, or a core beside every replica's
+        compute threads on this one."""
+        if self.setting.machines > 1:
+            return True
+        cores = self.setting.cores_per_machine
+        compute = self.config.run.num_threads or cores
+        return cores >= self.num_replicas * (compute + 1)
+
+    def _measure_window(
+        self, replica: _Replica, fetch: float, compute: float, push: float, pushed: bool
+    ) -> None:
+        """ "auto" (`ReplicaClient._measure_window`): a step's part of its push window; the
+        first window is not counted; after the probes, decide."""
+        assert replica.probe is not None
+        if replica.window is not None:
+            replica.window[0] += compute
+            replica.window[1] += fetch + push
+        if not pushed:
+            return
+        if replica.window is not None:
+            replica.probe.append((replica.window[0], replica.window[1]))
+        replica.window = [0.0, 0.0]
+        if len(replica.probe) >= AUTO_PROBE_PUSHES:
+            compute_s, communication_s = (sum(part) for part in zip(*replica.probe, strict=True))
+            replica.probe = None
+            if threads_pay(compute_s, communication_s):
+                self._start_threads(replica)
+
     def _start_threads(self, replica: _Replica) -> None:
         env = self.env
         replica.threads = _Threads(simpy.Store(env, capacity=2), env.event(), env.event())
@@ -372,6 +410,12 @@ class DownpourSim:
             replica.fetch_s += computing - started
             replica.compute_s += pushing - computing
             replica.push_s += self.env.now - pushing
+            if replica.probe is not None:
+                push_s, pushed = self.env.now - pushing, replica.steps % self.opts.n_push == 0
+                self._measure_window(
+                    replica, computing - started, pushing - computing, push_s, pushed
+                )
+                threads = replica.threads
             replica.steady_steps += 1
         _, (wall, cpu) = self.cal.pull.sides(0)  # the answer: a call's callee side, no payload
         yield from machine.call(wall, cpu)
@@ -520,9 +564,12 @@ class DownpourSim:
 
     def run(self) -> Result:
         total = self.total_steps()
-        if self.opts.threads:
-            for replica in self.replicas:
+        threads = self.opts.replica_threads(self._workers_per_replica(), self._spare_core())
+        for replica in self.replicas:
+            if threads is True:
                 self._start_threads(replica)
+            elif threads == "auto":
+                replica.probe = []
         driver = self.env.process(self._driver(total))
         self.env.run(until=driver)
         return self._result(total)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -109,7 +109,7 @@ class OnShards:
         servers: list[ParameterServer | None],
         n_fetch: int,
         n_push: int,
-        threads: bool = False,
+        threads: bool | Literal["auto"] = False,
         fresh: bool = True,
     ) -> None:
         """Train phase `phase` through `servers` (one per parameter group, None where

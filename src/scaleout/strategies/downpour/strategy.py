@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -69,7 +69,7 @@ class Downpour(ReplicaFailures):
         self.grid = grid if grid.num_workers > 1 else None
         if self.grid is not None:
             check_partitionable(job, self.name, grid.grid)
-            if self.opts.threads:
+            if self.opts.threads is True:
                 raise ConfigError(
                     "downpour.threads = true needs replicas of one worker: a model-parallel "
                     "grid's workers fetch and push in step; set model_parallel.grid = [1, 1] "
@@ -100,6 +100,7 @@ class Downpour(ReplicaFailures):
         self.replicas: list[Replica] = []
         self.alive = [True] * num
         self.lanes = Lanes(job, self.opts, self.run)
+        self.threads: bool | Literal["auto"] = False  # decided in `start`, on the cluster
         self.phase = -1
         self.step = self.assigned = self.examples = 0
         self.in_flight: dict[int, tuple[list[Any], int]] = {}  # replica -> (futures, steps)
@@ -111,6 +112,15 @@ class Downpour(ReplicaFailures):
         self._plan: Plan | None = None
         self._wall_start = time.time()
         self._reported = time.perf_counter()
+
+    def _spare_core(self) -> bool:
+        """Whether each replica has a core beside its compute threads for fetch and push
+        threads: on another node, or on this machine's cores."""
+        if len(ray.nodes()) > 1:
+            return True
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        compute = self.job.run.num_threads or cpus  # None: a replica's torch takes every core
+        return cpus >= self.opts.num_replicas * (compute + 1)
 
     # --- plan and start --------------------------------------------------------------------
 
@@ -148,6 +158,7 @@ class Downpour(ReplicaFailures):
         self.pushes = Pushes(self.run.path / PUSHES_FILE, self._wall_start)
         workers = self.grid.num_workers if self.grid is not None else 1
         self.lanes.size(workers)  # fail now if they cannot fit; backups or not
+        self.threads = self.opts.replica_threads(workers, self._spare_core())
         self.replica_cpus = cpu_share(self.opts.num_replicas * workers)
         self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
         for replica in self.replicas:
@@ -237,7 +248,7 @@ class Downpour(ReplicaFailures):
     def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]:
         opts = self.opts
         return [
-            (self.phase, self.lanes.for_worker(w), opts.n_fetch, opts.n_push, opts.threads, fresh)
+            (self.phase, self.lanes.for_worker(w), opts.n_fetch, opts.n_push, self.threads, fresh)
             for w in range(replica.size)
         ]
 
