@@ -155,12 +155,34 @@ def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
 
 
 @pytest.mark.slow
+def test_threaded_replicas_survive_a_killed_shard_and_a_killed_replica(ray_session, tmp_path):
+    """The fault paths with fetch and push threads: a shard SIGKILLed (no backup: Ray
+    restarts it from its checkpoint) and a replica SIGKILLed (restarted); the run ends."""
+    path = write_config(tmp_path, steps=800, replicas=2)
+    downpour = driver(path, "downpour.threads=true", "downpour.shard_backups=0", "train.lr=0.02")
+    kill_when(downpour, 200, lambda: downpour.strategy.lanes.servers[0][0].info()[0]["pid"])
+    kill_when(downpour, 450, lambda: downpour.strategy.replicas[1].pid())
+    result = downpour.train()
+    assert result.step == 800
+    assert result.summary["shard_restarts"] == 1
+    assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 1
+    assert result.summary["final_test_accuracy"] > 0.88
+    pushes = read_metrics(downpour.run_dir.path / PUSHES_FILE)
+    assert pushes and all(p["threads"] is True for p in pushes)
+
+
+@pytest.mark.slow
 def test_killed_shard_primary_fails_over_to_its_backup_losing_nothing(ray_session, tmp_path):
     """One replica fetching and pushing every step is deterministic: with a shard primary
     SIGKILLed mid-run, the backup takes over, the pushes in flight are sent again, and the
     run ends exactly where the fault-free one does (every metric equal), 0 updates lost."""
     options = dict(replicas=1, steps=300, warmstart=0, eval_every=100)
-    exact = ("downpour.n_fetch=1", "downpour.n_push=1", "downpour.shard_backups=1")
+    exact = (
+        "downpour.n_fetch=1",
+        "downpour.n_push=1",
+        "downpour.shard_backups=1",
+        "downpour.threads=false",  # in turn, whatever "auto" would measure
+    )
     reference = driver(write_config(tmp_path, "reference", **options), *exact).train()
     downpour = driver(write_config(tmp_path, **options), *exact)
     kill_when(downpour, 120, lambda: downpour.strategy.lanes.servers[0][0].info()[1]["pid"])
@@ -286,6 +308,7 @@ def test_one_replica_fetching_and_pushing_every_step_is_strategy_single(ray_sess
     single's batches and dropout masks: the runs end with the same weights, bit for bit."""
     path = write_config(tmp_path, "one", replicas=1, warmstart=0, steps=40, eval_every=20)
     overrides = ["downpour.n_fetch=1", "downpour.n_push=1", "model.dropout=[0.2, 0.5]"]
+    overrides.append("downpour.threads=false")  # in turn, whatever "auto" would measure
     downpour = driver(path, *overrides).train()
     single = driver(path, *overrides, "train.strategy=single", "run.name=single").train()
     ours, _ = load_checkpoint(RunDir(downpour.run_dir).checkpoints.latest())
