@@ -59,7 +59,7 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     "single worker, 1 thread": ("single", {}),
     "downpour R=1, threads off": ("downpour", {"num_replicas": 1, "threads": False}),
     "downpour R=1, threads on": ("downpour", {"num_replicas": 1, "threads": True}),
-    "downpour R=1, threads auto (the default)": ("downpour", {"num_replicas": 1}),
+    "downpour R=1, threads auto": ("downpour", {"num_replicas": 1}),
     "downpour R=2, threads off": ("downpour", {"num_replicas": 2, "threads": False}),
     "downpour R=2, threads on": ("downpour", {"num_replicas": 2, "threads": True}),
 }
