@@ -2,10 +2,12 @@
 
 Convergence: time to 96% and 97% test accuracy of the 8-bit paper's MNIST MLP for one
 single-threaded worker with plain SGD, Downpour SGD with 1, 2 and 4 replicas at a fixed
-learning rate and with Adagrad, warm start on and off, and the best single process using
-all cores. Every replica and worker uses one thread, so R replicas use R times the
-resources, as in the paper (on this 2-core machine 4 replicas share 2 cores: shown as
-measured). Evaluation runs beside training and is part of the wall time.
+learning rate and with Adagrad (the demo's settings: no warm start, Adagrad's default
+learning-rate warm-up), one with a warm start of 200 steps, and the best single process using
+all cores. The target pair (the demo's Downpour against the single SGD worker) is the median
+of `TARGET_REPEATS` runs each, taken in turn. Every replica and worker uses one thread, so
+R replicas use R times the resources, as in the paper (on this 2-core machine 4 replicas
+share 2 cores: shown as measured). Evaluation runs beside training and is part of the wall time.
 
 Throughput: pushes + pulls per second of the sharded server (2 workers, no compute) for 1M,
 10M and 42M parameters on 1, 2 and 4 shards, beside the pattern of Ray's own parameter-server
@@ -17,6 +19,7 @@ suite's push-pull workers, are started by `scaleout.runtime.spawn` (no CPU reser
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 import time
@@ -49,7 +52,7 @@ BASE: dict[str, Any] = {
     "downpour": {
         "n_fetch": 3,
         "n_push": 3,
-        "warmstart_steps": 200,
+        "warmstart_steps": 0,
         "shard_checkpoint_every": None,
         "shard_checkpoint_seconds": None,
     },
@@ -67,15 +70,16 @@ RUNS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int]] = {
     "downpour R=1, adagrad": ("downpour", ADAGRAD, {"num_replicas": 1}, 1),
     "downpour R=2, adagrad": ("downpour", ADAGRAD, {"num_replicas": 2}, 1),
     "downpour R=4, adagrad": ("downpour", ADAGRAD, {"num_replicas": 4}, 1),
-    "downpour R=2, adagrad, no warm start": (
+    "downpour R=2, adagrad, warm start 200": (
         "downpour",
         ADAGRAD,
-        {"num_replicas": 2, "warmstart_steps": 0},
+        {"num_replicas": 2, "warmstart_steps": 200},
         1,
     ),
 }
 BASELINE = "single worker, sgd, 1 thread"
-CANDIDATE = "downpour R=2, adagrad"
+CANDIDATE = "downpour R=2, adagrad"  # the demo's settings
+TARGET_REPEATS = 3  # runs of the baseline and the candidate; their times are the medians
 
 
 def _train(name: str, root: Path) -> list[dict[str, Any]]:
@@ -250,41 +254,51 @@ def run_ps() -> SuiteResult:
 def run() -> SuiteResult:
     rows: list[Row] = []
     curves: dict[str, list[dict[str, Any]]] = {}
+    repeats: dict[str, list[float]] = {BASELINE: [], CANDIDATE: []}  # seconds to 97%
     with tempfile.TemporaryDirectory(prefix="bench-downpour-") as tmp:
         for name in RUNS:
             curves[name] = _train(name, Path(tmp))
-    baseline_97 = _time_to(curves[BASELINE], 0.97)
+        for name in [BASELINE, CANDIDATE] * (TARGET_REPEATS - 1):
+            seconds = _time_to(_train(name, Path(tmp)), 0.97)
+            repeats[name].append(float("nan") if seconds is None else seconds)
+    for name in repeats:
+        first = _time_to(curves[name], 0.97)
+        repeats[name].insert(0, float("nan") if first is None else first)
     for name, evals in curves.items():
         for accuracy in (0.96, 0.97):
             seconds = _time_to(evals, accuracy)
-            target = None
-            if name == CANDIDATE and accuracy == 0.97 and baseline_97 is not None:
-                target = 0.6 * baseline_97
             rows.append(
                 Row(
                     f"time to {accuracy:.0%}: {name}",
                     float("nan") if seconds is None else seconds,
                     "s",
                     "lower",
-                    target=target,
                 )
             )
-    candidate_97 = _time_to(curves[CANDIDATE], 0.97)
-    if baseline_97 and candidate_97:
-        rows.append(
-            Row(
-                f"time to 97%, {CANDIDATE} / {BASELINE}",
-                candidate_97 / baseline_97,
-                "x",
-                "lower",
-                target=0.6,
-            )
+    medians = {}
+    for name, values in repeats.items():
+        label = f"time to 97%, median of {TARGET_REPEATS}: {name}"
+        if any(math.isnan(v) for v in values):  # a run that never got there has no median
+            row = Row(f"{label} (a run did not reach 97%)", float("nan"), "s", "lower")
+        else:
+            row = Row.median_of(label, values, "s", "lower")
+        medians[name] = row.value
+        rows.append(row)
+    rows.append(
+        Row(
+            f"time to 97%, {CANDIDATE} / {BASELINE}, medians",
+            medians[CANDIDATE] / medians[BASELINE],
+            "x",
+            "lower",
+            target=0.6,
         )
+    )
 
     rows += _ps_rows()
     notes = [
         "MNIST 784-1024-1024-10 MLP, dropout 0.2/0.5/0.5, batch 128, n_fetch = n_push = 3, "
-        "warm start 200 steps; sgd lr 0.1, adagrad lr 0.01; evaluation every 100 global steps "
+        "no warm start unless named (the demo's settings); sgd lr 0.1, adagrad lr 0.01 with its "
+        "default learning-rate warm-up over 200 steps; evaluation every 100 global steps "
         "on the 10k test set, inside the wall time; time is NaN where the run did not get there "
         "within 5 epochs.",
         f"{torch.get_num_threads()} cores here: 2 replicas + shards + driver share them; "
