@@ -20,13 +20,16 @@ def test_threads_pay_where_compute_hides_communication():
 
 
 def test_auto_is_off_for_grids_and_where_compute_takes_every_core():
-    auto = DownpourSection()
+    auto = DownpourSection(num_replicas=2)
     assert auto.threads == "auto"
-    assert auto.replica_threads(workers_per_replica=1, spare_core=True) == "auto"
-    assert auto.replica_threads(workers_per_replica=1, spare_core=False) is False
-    assert auto.replica_threads(workers_per_replica=2, spare_core=True) is False
-    assert DownpourSection(threads=True).replica_threads(1, spare_core=False) is True
-    assert DownpourSection(threads=False).replica_threads(1, spare_core=True) is False
+    one_node = {"cpus": 8.0, "nodes": 1}
+    assert auto.replica_threads(1, num_threads=1, **one_node) == "auto"  # 2 x (1 + 1) <= 8
+    assert auto.replica_threads(1, num_threads=4, **one_node) is False  # 2 x (4 + 1) > 8
+    assert auto.replica_threads(1, num_threads=None, **one_node) is False  # torch takes all 8
+    assert auto.replica_threads(1, num_threads=None, cpus=16.0, nodes=2) == "auto"
+    assert auto.replica_threads(2, num_threads=1, **one_node) is False  # a grid replica
+    assert DownpourSection(threads=True).replica_threads(1, None, 2.0, 1) is True
+    assert DownpourSection(threads=False).replica_threads(1, 1, 8.0, 1) is False
 
 
 def train(client: ReplicaClient, model: nn.Module, steps: int, compute_s: float) -> None:

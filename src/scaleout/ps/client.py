@@ -180,8 +180,9 @@ class ReplicaClient:
         return None if self._probe is not None else False
 
     def _measure_window(self, started: float, record: dict[str, Any]) -> None:
-        """ "auto": the window that ended at this push computed for its wall time less what
-        it fetched and pushed (the previous push, recorded now); after the probes, decide."""
+        """With threads "auto": the window that ended at this push computed for its wall
+        time less what it fetched and pushed (the previous push, recorded now); after the
+        probes, decide."""
         assert self._probe is not None
         if self._window_started is not None:  # the first window also holds the start-up
             communication = record["fetch_s"] + record["push_s"]

@@ -287,24 +287,11 @@ class DownpourSim:
         seconds = 4 * self.numel / self.cal.flatten_bytes_per_s
         yield from self.cluster.machines[replica.machine].work(seconds)
 
-    def _workers_per_replica(self) -> int:
-        grid = getattr(self.config, "model_parallel", None)
-        return grid.num_workers if grid is not None else 1
-
-    def _spare_core(self) -> bool:
-        """As `Downpour._spare_core`: another machine, or a core beside every replica's
-        compute threads on this one."""
-        if self.setting.machines > 1:
-            return True
-        cores = self.setting.cores_per_machine
-        compute = self.config.run.num_threads or cores
-        return cores >= self.num_replicas * (compute + 1)
-
     def _measure_window(
         self, replica: _Replica, fetch: float, compute: float, push: float, pushed: bool
     ) -> None:
-        """ "auto" (`ReplicaClient._measure_window`): a step's part of its push window; the
-        first window is not counted; after the probes, decide."""
+        """With threads "auto" (`ReplicaClient._measure_window`): a step's part of its push
+        window; the first window is not counted; after the probes, decide."""
         assert replica.probe is not None
         if replica.window is not None:
             replica.window[0] += compute
@@ -564,7 +551,13 @@ class DownpourSim:
 
     def run(self) -> Result:
         total = self.total_steps()
-        threads = self.opts.replica_threads(self._workers_per_replica(), self._spare_core())
+        grid = getattr(self.config, "model_parallel", None)
+        threads = self.opts.replica_threads(
+            grid.num_workers if grid is not None else 1,
+            self.config.run.num_threads,
+            self.setting.cores_per_machine,
+            self.setting.machines,
+        )
         for replica in self.replicas:
             if threads is True:
                 self._start_threads(replica)

@@ -38,14 +38,19 @@ class DownpourSection(Section):
     shard_resource: str | None = None
     replica_resource: str | None = None
 
-    def replica_threads(self, workers_per_replica: int, spare_core: bool) -> bool | Literal["auto"]:
+    def replica_threads(
+        self, workers_per_replica: int, num_threads: int | None, cpus: float, nodes: int
+    ) -> bool | Literal["auto"]:
         """`threads` for each replica's client, "auto" resolved as far as the cluster tells:
         off for a model-parallel grid's workers (they fetch and push in step) and where the
-        replicas' compute threads take every core (the threads would slow the compute: the
-        demo's 2 replicas on 2 cores took 1,740 steps and 56-57 s to 97% with them, 1,340
-        steps and 49-52 s without). The driver and the simulator both ask here."""
+        replicas' compute threads (`run.num_threads`; None: every core) take every core of
+        one node (the threads would slow the compute: the demo's 2 replicas on 2 cores took
+        1,740 steps and 56-57 s to 97% with them, 1,340 steps and 49-52 s without). The
+        driver and the simulator both ask here."""
         if self.threads != "auto":
             return self.threads
+        compute = num_threads or cpus
+        spare_core = nodes > 1 or cpus >= self.num_replicas * (compute + 1)
         return "auto" if workers_per_replica == 1 and spare_core else False
 
 

@@ -113,15 +113,6 @@ class Downpour(ReplicaFailures):
         self._wall_start = time.time()
         self._reported = time.perf_counter()
 
-    def _spare_core(self) -> bool:
-        """Whether each replica has a core beside its compute threads for fetch and push
-        threads: on another node, or on this machine's cores."""
-        if len(ray.nodes()) > 1:
-            return True
-        cpus = ray.cluster_resources().get("CPU", 0.0)
-        compute = self.job.run.num_threads or cpus  # None: a replica's torch takes every core
-        return cpus >= self.opts.num_replicas * (compute + 1)
-
     # --- plan and start --------------------------------------------------------------------
 
     def plan(self) -> Plan:
@@ -158,7 +149,12 @@ class Downpour(ReplicaFailures):
         self.pushes = Pushes(self.run.path / PUSHES_FILE, self._wall_start)
         workers = self.grid.num_workers if self.grid is not None else 1
         self.lanes.size(workers)  # fail now if they cannot fit; backups or not
-        self.threads = self.opts.replica_threads(workers, self._spare_core())
+        self.threads = self.opts.replica_threads(
+            workers,
+            self.job.run.num_threads,
+            ray.cluster_resources().get("CPU", 0.0),
+            len(ray.nodes()),
+        )
         self.replica_cpus = cpu_share(self.opts.num_replicas * workers)
         self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
         for replica in self.replicas:
