@@ -149,3 +149,17 @@ def test_a_bad_link_names_the_field():
                 "compress": {"codec": "dynamic8", "link": "fast"},
             }
         )
+
+
+def test_encodes_only_where_priced_at_most_the_margin_of_raw():
+    """8 bits priced at 0.9x raw stay raw (within what the codec's price can be off by under
+    load); at 0.7x they are chosen. One piece, a free wire: encoded = send + receive."""
+    from scaleout.compress.transfer import ENCODE_MARGIN
+
+    n, link = 1000, LinkSpeed(1e3, 0.0)  # raw: 4 s; encoded wire: 1 s
+    for share, expected in ((0.9, False), (0.7, True)):
+        codec_s = share * 4.0 - 1.0  # on top of the encoded bytes' 1 s
+        speed = CodecSpeed(codec_s / 2, 0.0, codec_s / 2, 0.0)
+        chosen = plan(n, link, speed, quarter, pipeline=False)
+        assert chosen.raw_s == pytest.approx(4.0)
+        assert chosen.encoded is expected, (share, ENCODE_MARGIN)

@@ -18,7 +18,8 @@ chunk k is on the wire and k - 1 is decoded: with k chunks of c values the messa
     latency + e(c) + w(c) + d(c) + (k - 1) * max(e(c), w(c), d(c))
 
 (e, w, d: encode, wire and decode time of one chunk), so a large message costs about its
-wire time alone. Raw is `latency + 4 n / bandwidth`. Both ends of a point-to-point
+wire time alone. Raw is `latency + 4 n / bandwidth`. 8 bits are chosen only where they are
+priced at most `ENCODE_MARGIN` of raw's time. Both ends of a point-to-point
 transfer must compute the same plan: they agree on one `CodecSpeed` first (the sender's).
 """
 
@@ -44,7 +45,17 @@ LINKS: dict[str, tuple[float, float]] = {
     "ib56": (56e9 / 8 * 64 / 66, 2e-6),  # FDR InfiniBand 4x, 64b/66b coding
 }
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(k|m|g)?(bit|b)?\s*$", re.IGNORECASE)
-MIN_CHUNK = 1 << 16  # below this a chunk's fixed costs dominate: no finer pipelining
+# No finer pipelining: below this a piece's fixed costs (the codec's calls, a message each
+# way) are not all in `CodecSpeed` and the link's line. Two testnet hosts on 2 shared cores
+# (results/codecs_transfer.json): 1M values at 10 Gbit took 6.0 ms in pieces of 2^17 against
+# 4.5 ms in one and 5.0 ms raw; pieces of 2^20 were as fast or faster than 2^16 at 1 Gbit
+# from 4M values (3.9-4.0x raw against 3.8-4.0x) and faster at 10 Gbit (1.5x against 1.2-1.4x).
+MIN_CHUNK = 1 << 20
+# 8 bits only where predicted at most this share of raw's time: a codec measured once, alone,
+# costs more beside a busy network stack. The plan priced 10k values at 1 Gbit 4% faster
+# encoded and they took 1.38x raw's time (0.82 ms raw, 1.13 ms encoded, median of 500);
+# every size where 8 bits won was priced at <= 0.6x raw.
+ENCODE_MARGIN = 0.8
 
 
 @dataclass(frozen=True)
@@ -185,8 +196,9 @@ def plan(
     raw_bytes_per_value: int = 4,
     pipeline: bool = True,
 ) -> Plan:
-    """The faster of raw and encoded for a message of `numel` values; with `pipeline`,
-    encoded in the best of one piece and pieces of 2^16, 2^17, ... values.
+    """Raw, or encoded where it is priced at most `ENCODE_MARGIN` of raw's time, for a
+    message of `numel` values; with `pipeline`, encoded in the best of one piece and pieces
+    of MIN_CHUNK (2^20), 2^21, ... values.
     `wire_bytes(n)`: an encoded piece of n values' size on the wire (`payload_size`)."""
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
@@ -201,6 +213,6 @@ def plan(
             chunk *= 2
     best = min(chunks, key=lambda c: encoded_s(numel, c, link, speed, wire_bytes))
     seconds = encoded_s(numel, best, link, speed, wire_bytes)
-    if seconds < raw:
+    if seconds <= ENCODE_MARGIN * raw:
         return Plan(numel, True, best, seconds, raw)
     return Plan(numel, False, numel, raw, raw)
