@@ -107,8 +107,9 @@ def fit_metrics(raw: dict[str, Any]) -> list[dict[str, Any]]:
     return read_metrics(result.run_dir / "metrics.jsonl")
 
 
-def _time_to(evals: list[dict[str, Any]], accuracy: float) -> float | None:
-    return next((r["time_s"] for r in evals if r["test_accuracy"] >= accuracy), None)
+def _time_to(evals: list[dict[str, Any]], accuracy: float) -> float:
+    """Seconds until an evaluation reached `accuracy`; NaN where none did."""
+    return next((r["time_s"] for r in evals if r["test_accuracy"] >= accuracy), float("nan"))
 
 
 # --- parameter-server throughput ----------------------------------------------------------
@@ -254,27 +255,18 @@ def run_ps() -> SuiteResult:
 def run() -> SuiteResult:
     rows: list[Row] = []
     curves: dict[str, list[dict[str, Any]]] = {}
-    repeats: dict[str, list[float]] = {BASELINE: [], CANDIDATE: []}  # seconds to 97%
     with tempfile.TemporaryDirectory(prefix="bench-downpour-") as tmp:
         for name in RUNS:
             curves[name] = _train(name, Path(tmp))
+        # seconds to 97%: the run above, then the rest in turn
+        repeats = {name: [_time_to(curves[name], 0.97)] for name in (BASELINE, CANDIDATE)}
         for name in [BASELINE, CANDIDATE] * (TARGET_REPEATS - 1):
-            seconds = _time_to(_train(name, Path(tmp)), 0.97)
-            repeats[name].append(float("nan") if seconds is None else seconds)
-    for name in repeats:
-        first = _time_to(curves[name], 0.97)
-        repeats[name].insert(0, float("nan") if first is None else first)
-    for name, evals in curves.items():
-        for accuracy in (0.96, 0.97):
-            seconds = _time_to(evals, accuracy)
-            rows.append(
-                Row(
-                    f"time to {accuracy:.0%}: {name}",
-                    float("nan") if seconds is None else seconds,
-                    "s",
-                    "lower",
-                )
-            )
+            repeats[name].append(_time_to(_train(name, Path(tmp)), 0.97))
+    rows += [
+        Row(f"time to {accuracy:.0%}: {name}", _time_to(evals, accuracy), "s", "lower")
+        for name, evals in curves.items()
+        for accuracy in (0.96, 0.97)
+    ]
     medians = {}
     for name, values in repeats.items():
         label = f"time to 97%, median of {TARGET_REPEATS}: {name}"
