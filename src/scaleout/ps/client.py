@@ -55,8 +55,7 @@ AUTO_PROBE_PUSHES = 4  # push windows measured (after the first) before "auto" d
 
 def threads_pay(compute_s: float, communication_s: float) -> bool:
     """Whether fetch and push threads pay for a replica whose push windows compute for
-    `compute_s` and fetch and push for `communication_s`, in turn (the client and the
-    simulator both decide here).
+    `compute_s` and fetch and push for `communication_s`, in turn.
 
     Only when the compute hides the communication: the fetch thread then brings parameters
     at most a window old. A replica that computes faster than it communicates runs ahead of
@@ -66,6 +65,16 @@ def threads_pay(compute_s: float, communication_s: float) -> bool:
     window of 3 steps) reached 97% in the same 1,300 steps, 9% sooner with threads.
     """
     return compute_s >= communication_s
+
+
+def auto_threads(windows: Sequence[tuple[float, float]]) -> bool | None:
+    """What "auto" decides from the (compute, communication) seconds of the push windows
+    measured so far: None until there are AUTO_PROBE_PUSHES of them, then `threads_pay` of
+    their sums. The client and the simulator both decide here."""
+    if len(windows) < AUTO_PROBE_PUSHES:
+        return None
+    compute, communication = (sum(part) for part in zip(*windows, strict=True))
+    return threads_pay(compute, communication)
 
 
 @dataclass
@@ -189,10 +198,10 @@ class ReplicaClient:
             compute = started - self._window_started - communication
             self._probe.append((compute, communication))
         self._window_started = started
-        if len(self._probe) >= AUTO_PROBE_PUSHES:
-            compute, communication = (sum(part) for part in zip(*self._probe, strict=True))
+        decided = auto_threads(self._probe)
+        if decided is not None:
             self._probe = None
-            if threads_pay(compute, communication):
+            if decided:
                 self._pipeline = _Pipeline(self)
 
     def _zero(self) -> None:

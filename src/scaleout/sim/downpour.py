@@ -58,7 +58,7 @@ import simpy
 
 from scaleout.compress.payload import payload_size
 from scaleout.nn.optim import STATE_BUFFERS
-from scaleout.ps.client import AUTO_PROBE_PUSHES, threads_pay
+from scaleout.ps.client import auto_threads
 from scaleout.ps.layout import shard_ranges
 from scaleout.sim.calibration import MessageCost
 from scaleout.sim.engine import Process
@@ -301,10 +301,10 @@ class DownpourSim:
         if replica.window is not None:
             replica.probe.append((replica.window[0], replica.window[1]))
         replica.window = [0.0, 0.0]
-        if len(replica.probe) >= AUTO_PROBE_PUSHES:
-            compute_s, communication_s = (sum(part) for part in zip(*replica.probe, strict=True))
+        decided = auto_threads(replica.probe)
+        if decided is not None:
             replica.probe = None
-            if threads_pay(compute_s, communication_s):
+            if decided:
                 self._start_threads(replica)
 
     def _start_threads(self, replica: _Replica) -> None:
