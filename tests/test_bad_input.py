@@ -40,6 +40,8 @@ def fails_before_writing(tmp_path: Path, config: str, *overrides: str) -> str:
         ),
         ("configs/autoencoder_model_parallel.toml", ["model_parallel.grid=[1,7]"], "grid"),
         ("configs/mnist_sync.toml", ["sync.timeout_s=1e15"], "sync.timeout_s"),
+        # found by the property test: 1e-12 s made the group's store time out at once
+        ("configs/mnist_sync.toml", ["sync.timeout_s=1e-12"], "sync.timeout_s"),
         ("configs/mnist_sync.toml", ["data.num_train=1"], "train.batch_size"),
         ("configs/mnist_single.toml", ["train.lr=inf"], "train.lr"),
         ("configs/mnist_single.toml", ["train.lr=nan"], "train.lr"),

@@ -198,6 +198,36 @@ def test_actors_form_a_process_group(ray_session):
             os.kill(pid, 0)
 
 
+def test_a_group_that_cannot_form_is_a_worker_failure_with_its_cause(ray_session):
+    """Rank 0 cannot serve the group's store (its port is taken): `create` raises
+    `WorkerDied` naming the address and the cause (the CLI shows one line, the driver may
+    start the group again), where it used to raise Ray's traceback."""
+    import socket
+
+    from ray import cloudpickle
+
+    from scaleout.comm import GroupMember, ProcessGroup, WorkerDied
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+
+    class Member(GroupMember):
+        def __init__(self, rank: int, world: int) -> None:
+            self.rank = rank
+
+        def group_address(self) -> tuple[str, int]:
+            return "127.0.0.1", port
+
+    cloudpickle.register_pickle_by_value(__import__(__name__))
+    try:
+        with pytest.raises(WorkerDied, match=rf"could not join .*127.0.0.1:{port} within 2 s"):
+            ProcessGroup.create(Member, 2, num_cpus=0.5, timeout_s=2.0)
+    finally:
+        taken.close()
+
+
 # --- exactness -------------------------------------------------------------------------------
 
 

@@ -307,6 +307,7 @@ class ProcessGroup:
         group and join them into a process group. Each actor is constructed with
         `(rank, num_workers, *args)` when `rank_args`, else `(*args)`."""
         import ray
+        from ray.exceptions import RayActorError, RayTaskError
         from ray.util.placement_group import placement_group, remove_placement_group
 
         if num_workers < 1:
@@ -335,14 +336,21 @@ class ProcessGroup:
                     )
                 )
             address, port = ray.get(actors[0].group_address.remote())
-            pids = ray.get(
-                [
-                    actor.join_group.remote(
-                        rank, num_workers, address, port, backend, device, timeout_s
-                    )
-                    for rank, actor in enumerate(actors)
-                ]
-            )
+            joins = [
+                actor.join_group.remote(
+                    rank, num_workers, address, port, backend, device, timeout_s
+                )
+                for rank, actor in enumerate(actors)
+            ]
+            try:
+                pids = ray.get(joins)
+            except (RayTaskError, RayActorError) as error:
+                # A worker that cannot reach its peers (a timeout too short for this
+                # machine's start-up, a port taken, a firewall) is the run's to report, as
+                # any other lost worker: the driver may start the group again.
+                cause = f"{num_workers} workers could not join one process group at "
+                cause += f"{address}:{port} within {timeout_s:g} s: {describe_failure(error)[:200]}"
+                raise WorkerDied(cause, cause=cause) from None
         except BaseException:
             for actor in actors:
                 ray.kill(actor, no_restart=True)

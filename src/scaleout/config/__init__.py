@@ -8,11 +8,12 @@ Nothing here knows what a run config contains.
 
 from scaleout.config.loading import apply_override, apply_overrides, read_toml
 from scaleout.config.render import describe_errors, validate
-from scaleout.config.section import MAX_TIMEOUT_S, Section, TimeoutSeconds
+from scaleout.config.section import MAX_TIMEOUT_S, MIN_TIMEOUT_S, Section, TimeoutSeconds
 from scaleout.errors import ConfigError
 
 __all__ = [
     "MAX_TIMEOUT_S",
+    "MIN_TIMEOUT_S",
     "ConfigError",
     "Section",
     "TimeoutSeconds",
