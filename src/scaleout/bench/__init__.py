@@ -114,15 +114,27 @@ def _check() -> dict:
     return check().record()
 
 
+def find_suite(name: str) -> Suite:
+    """Suite `name`, importing its own module first: a suite runs where only what it
+    imports is installed (`gpu` on a GPU machine without Ray)."""
+    try:
+        importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise
+    suites = SUITES if name in SUITES else available_suites()  # a module of another name
+    if name not in suites:
+        raise UserError(f"no benchmark suite {name!r}; available: {', '.join(sorted(suites))}")
+    return suites[name]
+
+
 def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
     """Run suite `name` between two machine checks; write `<out_dir>/<name>.json` and
     `.png` (`<name>.contended.*` when a check found another load); return the document."""
-    suites = available_suites()
-    if name not in suites:
-        raise UserError(f"no benchmark suite {name!r}; available: {', '.join(sorted(suites))}")
+    suite = find_suite(name)
     checked = os.environ.get("SCALEOUT_BENCH_CHECK", "1") != "0"
     before = _check() if checked else None
-    result = suites[name].run()
+    result = suite.run()
     checks = [before, _check()] if checked else None
     quiet = checks is not None and all(c["quiet"] for c in checks)
     notes = list(result.notes)

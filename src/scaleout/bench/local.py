@@ -81,20 +81,24 @@ def best_times(
     return best
 
 
-def kernel_rows(name: str, g: LocalGeometry, rows: list[Row], ratios: dict) -> None:
+def kernel_rows(
+    name: str, g: LocalGeometry, rows: list[Row], ratios: dict, device: str = "cpu"
+) -> None:
     """The three kernels on layer `g`, beside dense products of the same FLOP count, at the
-    current thread count (named in the rows)."""
+    current thread count (named in the rows), or on a CUDA `device` (each call timed to its
+    kernels' end)."""
     threads = torch.get_num_threads()
-    label = f"block {name}, {threads} thread(s)"
+    label = f"block {name}, " + (f"{threads} thread(s)" if device == "cpu" else device)
     torch.manual_seed(0)
-    weight = torch.randn(g.weight_shape) / g.field_size**0.5
-    xt = torch.randn(g.in_height, g.in_width, g.in_channels, BATCH)
-    yt = torch.randn(g.out_height, g.out_width, g.depth, BATCH)
-    k, f, n, positions = g.block_size, g.field_size, BATCH, g.num_positions
-    dense_w = weight.view(positions * k, f)  # every block's filters on one shared field
-    x_cols, x_rows = torch.randn(f, n), torch.randn(n, f)
-    y_cols, d_rows = torch.randn(k, positions * n), torch.randn(positions * k, n)
-    out = torch.empty(g.weight_shape)
+    with torch.device(device):
+        weight = torch.randn(g.weight_shape) / g.field_size**0.5
+        xt = torch.randn(g.in_height, g.in_width, g.in_channels, BATCH)
+        yt = torch.randn(g.out_height, g.out_width, g.depth, BATCH)
+        k, f, n, positions = g.block_size, g.field_size, BATCH, g.num_positions
+        dense_w = weight.view(positions * k, f)  # every block's filters on one shared field
+        x_cols, x_rows = torch.randn(f, n), torch.randn(n, f)
+        y_cols, d_rows = torch.randn(k, positions * n), torch.randn(positions * k, n)
+        out = torch.empty(g.weight_shape)
     ops = {
         "W x": lambda: local_forward(xt, weight, g),
         "W^T y": lambda: local_transpose(yt, weight, g),
@@ -103,13 +107,15 @@ def kernel_rows(name: str, g: LocalGeometry, rows: list[Row], ratios: dict) -> N
         "same-shape W^T y": lambda: weight[0, 0].T @ y_cols,  # (F, K) @ (K, PN)
         "same-shape delta x^T": lambda: d_rows @ x_rows,  # (PK, N) @ (N, F)
     }
+    if device != "cpu":
+        ops = {op: _synchronized(fn) for op, fn in ops.items()}
     times = best_times(ops, reps=KERNEL_REPS)
     flops = g.matmul_flops(BATCH)
     sgemm = flops / times["sgemm"] / 1e9
     rows.append(Row(f"sgemm of the same FLOP count, {label}", sgemm, "GFLOP/s", "higher"))
     for op in ("W x", "W^T y", "delta x^T"):
         ours = flops / times[op] / 1e9
-        ratios[(name, threads, op)] = ours / sgemm
+        ratios[(name, threads if device == "cpu" else device, op)] = ours / sgemm
         rows.append(Row(f"{op}, {label}", ours, "GFLOP/s", "higher"))
         rows.append(
             Row(
@@ -131,6 +137,17 @@ def kernel_rows(name: str, g: LocalGeometry, rows: list[Row], ratios: dict) -> N
                     "higher",
                 )
             )
+
+
+def _synchronized(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn`, returning once the kernels it queued on the GPU are done."""
+
+    def call() -> object:
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+
+    return call
 
 
 def square_sgemm(size: int) -> float:
