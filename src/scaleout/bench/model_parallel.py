@@ -32,9 +32,13 @@ the sizes' parameter counts in the row names.
 
 All set-ups live in one group of 4 processes and take turns, one update each, round after
 round (`SCALEOUT_BENCH_MP_WARMUP` rounds untimed, 2; then `SCALEOUT_BENCH_MP_TIMED` rounds,
-5; medians are reported), so that load from other work on this shared machine falls on all
-of them alike; each round starts one set-up further along the list, so that no set-up
-always follows the same one (what ran before leaves caches and memory in its own state).
+9; medians are reported), so that load from other work on this shared machine falls on all
+of them alike; each round runs them in an order drawn for it, so that no set-up always
+follows the same one (what ran before leaves caches and memory in its own state). Ratios of
+two set-ups of one process (1x1 partitioned / plain) are the median of their per-round
+ratios, which drift in the machine's speed between rounds does not move; so is the 1x2
+grid's share of the machine's ceiling (two independent processes' time over twice the
+grid's, both 2-process set-ups: the 1-worker time cancels).
 Before each update every process meets at a barrier; processes outside the set-up wait
 there (blocked in gloo, not spinning). An update's time is its slowest worker's.
 "2 independent 1-thread processes" runs the 1-worker update in two processes at once with no
@@ -72,6 +76,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import tempfile
 import time
 from collections.abc import Callable
@@ -131,7 +136,7 @@ class Settings:
     sizes: list[int] = field(default_factory=_env_sizes)
     batch: int = field(default_factory=_env("BATCH", "32"))
     warmup: int = field(default_factory=_env("WARMUP", "2"))
-    timed: int = field(default_factory=_env("TIMED", "5"))
+    timed: int = field(default_factory=_env("TIMED", "9"))
     train_steps: int = field(default_factory=_env("TRAIN_STEPS", "100"))  # per stack
     num_eval: int = 512
 
@@ -200,8 +205,11 @@ def time_updates(size: int, settings: Settings, rank: int, groups: dict[int, Any
     meter = ExchangeMeter()
     with meter.metering():
         for round_ in range(settings.warmup + settings.timed):
-            first = round_ % len(plans)  # the same on every rank: the barriers match
-            for setup in plans[first:] + plans[:first]:
+            # An order drawn per round, the same on every rank (the barriers match): no
+            # set-up always follows the same one (what ran before leaves caches and memory
+            # in its own state; a fixed rotation put "1x1 partitioned" after "2 independent
+            # processes" in every round but one).
+            for setup in random.Random(round_).sample(plans, len(plans)):
                 dist.barrier()
                 if rank >= setup.num_ranks:
                     continue

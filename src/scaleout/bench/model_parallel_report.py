@@ -38,10 +38,12 @@ def summarize_scaling(per_rank: list[dict]) -> dict[str, dict[str, float]]:
         def median_of_means(share: Callable[[Sequence[dict]], list[float]]) -> float:
             return statistics.median(statistics.mean(share(u)) for u in updates)  # noqa: B023
 
+        times = [max(r["seconds"] for r in u) for u in updates]  # per round, in order
         summary[name] = {
-            "seconds": statistics.median(max(r["seconds"] for r in u) for u in updates),
-            "min_seconds": min(max(r["seconds"] for r in u) for u in updates),
-            "max_seconds": max(max(r["seconds"] for r in u) for u in updates),
+            "times": times,
+            "seconds": statistics.median(times),
+            "min_seconds": min(times),
+            "max_seconds": max(times),
             "exchange_share": median_of_means(
                 lambda u: [r["exchange_s"] / r["seconds"] for r in u]
             ),
@@ -99,25 +101,26 @@ def scaling_rows(size: int, parameters: int, summary: dict, largest: bool) -> li
         Row(f"{label}: composed / one-pass update time, 1 worker", composed / base, "x", "lower")
     )
     held = size in OVERLAP_TARGET_SIZES  # issue 15's targets, at the sizes it names
-    rows.append(
-        Row(
-            f"{label}: 1x2 speedup / machine ceiling (2 independent 1-thread processes)",
-            speedups["1x2"] / ceiling,
-            "x",
+    # Per round, paired (medians of per-round ratios, spread in the name):
+    # (base / 1x2) / (2 base / independent) = independent / (2 x 1x2), base cancels.
+    times = {name: values["times"] for name, values in summary.items()}
+    pairs = zip(times["2 independent 1-thread processes"], times["1x2"], strict=True)
+    paired = {
+        "1x2 speedup / machine ceiling (2 independent 1-thread processes)": (
+            [alone / (2 * grid) for alone, grid in pairs],
             "higher",
-            target=CEILING_SHARE_TARGET if held else None,
-        )
-    )
-    overhead = summary["1x1 partitioned"]["seconds"] / base
-    rows.append(
-        Row(
-            f"{label}: 1x1 partitioned / plain network time",
-            overhead,
-            "x",
+            CEILING_SHARE_TARGET,
+        ),
+        "1x1 partitioned / plain network time": (
+            [p / b for p, b in zip(times["1x1 partitioned"], times["1 worker"], strict=True)],
             "lower",
-            target=PARTITIONED_OVERHEAD_TARGET if held else None,
-        )
-    )
+            PARTITIONED_OVERHEAD_TARGET,
+        ),
+    }
+    for name, (ratios, better, target) in paired.items():
+        row = Row.median_of(f"{label}: {name}", ratios, "x", better)
+        row.target = target if held else None
+        rows.append(row)
     for name in ("1x2", "1x2 dynamic8", "2x2"):
         values = summary[name]
         megabytes = values["bytes"] / 1e6
