@@ -39,8 +39,8 @@ def test_gpu_suite_without_a_gpu_is_a_user_error():
 
 def test_image_folder_links_reach_the_asked_count(tmp_path):
     """Every linked name is an image of its own to the loader (counted and decoded)."""
-    root = gpu._image_folder(tmp_path / "images", 2 * 1000 + 10, distinct=1000)
+    root = gpu._image_folder(tmp_path / "images", 2 * 100 + 10, distinct=100)
     dataset = ImageFolderDataset(root, "train", image_size=64, crop=56)
-    assert len(dataset) == 3 * 1000
+    assert len(dataset) == 3 * 100
     image, label = dataset[len(dataset) - 1]
     assert image.shape == (3, 56, 56) and 0 <= int(label) < 1000
