@@ -35,6 +35,7 @@ import torch
 from scaleout.api import fit
 from scaleout.bench import Row, SuiteResult, register_suite
 from scaleout.bench.local import KERNEL_LAYERS, kernel_rows
+from scaleout.bench.papers import DING_TABLE_1
 from scaleout.compress import get as get_codec
 from scaleout.data.images import write_image_folder
 from scaleout.errors import UserError
@@ -45,8 +46,6 @@ DEVICE = "cuda"
 ITERATIONS = 20  # Ding et al.'s table: seconds per 20 iterations
 ALEXNET_BATCH = 256
 ALEXNET_INTERVALS = 4  # logged intervals of ITERATIONS steps: the first warms up
-# Ding et al. 2015, table 1, cuDNN-R2, 1 GPU: seconds per 20 iterations of batch 256.
-PAPER_ONE_GPU = {True: 32.76, False: 43.52}
 MNIST_STEPS = 600
 MNIST_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "mnist_single.toml"
 
@@ -187,12 +186,12 @@ def table_one_rows(rows: list[Row], notes: list[str]) -> None:
             runs[1][0],
             unit,
             "lower",
-            paper=PAPER_ONE_GPU[True],
+            paper=DING_TABLE_1[(1, True)],
         )
     )
     rows.append(
         Row.median_of(
-            "1 GPU, serial loading", runs[0][0], unit, "lower", paper=PAPER_ONE_GPU[False]
+            "1 GPU, serial loading", runs[0][0], unit, "lower", paper=DING_TABLE_1[(1, False)]
         )
     )
     compute = [s - w for s, w in zip(*runs[0], strict=True)]
@@ -207,7 +206,7 @@ def table_one_rows(rows: list[Row], notes: list[str]) -> None:
             serial / parallel,
             "x",
             "higher",
-            paper=round(PAPER_ONE_GPU[False] / PAPER_ONE_GPU[True], 3),
+            paper=round(DING_TABLE_1[(1, False)] / DING_TABLE_1[(1, True)], 3),
         )
     )
     notes.append(

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.bench.papers import DING_TABLE_1
 
 HARDWARE = Path(__file__).resolve().parents[3] / "configs" / "hardware"
 CONFIGS = HARDWARE.parent
@@ -39,9 +40,6 @@ DISTBELIEF_MACHINES = (1, 4, 9, 16, 36, 81)
 DETTMERS_SIZES = (10_000, 100_000, 250_000, 1_000_000, 4_000_000, 16_000_000)
 QUOTED = {"cots_stack3_s": 0.6, "distbelief_81x": 12.0, "dettmers_8bit_x": 2.0}
 DING_ITERATIONS = 20
-# Ding et al. 2015, table 1, cuda-convnet columns: (GPUs, parallel loading) -> s per 20
-# iterations of 256 images
-DING_TABLE = {(1, True): 32.76, (1, False): 43.52, (2, True): 23.39, (2, False): 28.92}
 WITHIN = 25.0  # per cent
 
 
@@ -130,7 +128,7 @@ def ding() -> dict[tuple[int, bool], float]:
         return steps * cfg.train.batch_size / result.steady_examples_per_s
 
     out = {}
-    for gpus, loading in DING_TABLE:
+    for gpus, loading in DING_TABLE_1:
         overrides = [f"sync.num_workers={gpus}", f"loader.workers={int(loading)}"]
         cfg = load_config(CONFIGS / "alexnet_sync.toml", overrides)
         # 20 iterations after 20 others: without the first batch's load, which no
@@ -190,9 +188,9 @@ def _plot(cots_rows: dict, db_rows: list, dt_rows: list, ding_rows: dict, out: P
     ax.set_title("Dettmers: PCIe 3.0 x8")
     ax.legend(fontsize=7)
     ax = axes[3]
-    cells = list(DING_TABLE)
+    cells = list(DING_TABLE_1)
     xs = range(len(cells))
-    ax.bar([x - 0.2 for x in xs], [DING_TABLE[c] for c in cells], 0.4, label="paper")
+    ax.bar([x - 0.2 for x in xs], [DING_TABLE_1[c] for c in cells], 0.4, label="paper")
     ax.bar([x + 0.2 for x in xs], [ding_rows[c] for c in cells], 0.4, label="predicted")
     labels = [f"{g} GPU{'s' if g > 1 else ''}, {'' if p else 'no '}par. loading" for g, p in cells]
     ax.set_xticks(list(xs), labels, fontsize=7)
@@ -248,7 +246,7 @@ def run() -> SuiteResult:
             )
         )
     predicted = _ding_ratios(ding_rows)
-    for name, paper in _ding_ratios(DING_TABLE).items():
+    for name, paper in _ding_ratios(DING_TABLE_1).items():
         error = 100 * (predicted[name] / paper - 1)
         rows.append(
             Row(
@@ -264,8 +262,8 @@ def run() -> SuiteResult:
         "Ding et al. table 1, s per 20 iterations predicted vs paper: "
         + ", ".join(
             f"{g} GPU(s) {'with' if p else 'without'} parallel loading {ding_rows[(g, p)]:.2f}"
-            f" vs {DING_TABLE[(g, p)]:.2f}"
-            for g, p in DING_TABLE
+            f" vs {DING_TABLE_1[(g, p)]:.2f}"
+            for g, p in DING_TABLE_1
         ),
         "Ding et al.: the table's 2-GPU columns imply 0.35 s per iteration for exchanging "
         "and averaging weights and momentum (1.1695 - 0.819 s with parallel loading, "

@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from scaleout.api import build_job, config_from_dict
 from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.bench.papers import DING_TABLE_1
 from scaleout.data.images import write_image_folder
 from scaleout.nn.optim import build_optimizer
 from scaleout.runtime import session
@@ -57,8 +58,6 @@ ITERATIONS = 20  # the paper's table: time per 20 iterations
 WARMUP = 3
 REPEATS = 3  # timed chunks per table-one setting: the rows are their median
 NUM_CLASSES = 10
-# Ding et al. 2015, table 1, cuDNN-R2: seconds per 20 iterations of batch 256.
-PAPER = {(2, True): 23.39, (2, False): 28.92, (1, True): 32.76, (1, False): 43.52}
 
 
 class _BenchWorker(WorkerActor):
@@ -259,7 +258,7 @@ def run() -> SuiteResult:
             times[(w, "parallel" if parallel else "serial")],
             unit,
             "lower",
-            paper=PAPER[(w, parallel)],
+            paper=DING_TABLE_1[(w, parallel)],
         )
         for w in (1, 2)
         for parallel in (True, False)
@@ -290,7 +289,7 @@ def run() -> SuiteResult:
             median[(1, "serial")] / median[(1, "parallel")],
             "x",
             "higher",
-            paper=round(PAPER[(1, False)] / PAPER[(1, True)], 3),
+            paper=round(DING_TABLE_1[(1, False)] / DING_TABLE_1[(1, True)], 3),
         ),
         Row(
             "examples/s, 2 workers vs 1, compute only",
@@ -304,7 +303,7 @@ def run() -> SuiteResult:
             median[(1, "parallel")] / median[(2, "parallel")],
             "x",
             "higher",
-            paper=round(PAPER[(1, True)] / PAPER[(2, True)], 3),
+            paper=round(DING_TABLE_1[(1, True)] / DING_TABLE_1[(2, True)], 3),
         ),
         Row(
             "machine ceiling: 2 independent 1-thread processes vs 1, no communication",
