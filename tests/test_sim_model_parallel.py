@@ -8,7 +8,7 @@ import torch
 from scaleout.api import build_job, load_config
 from scaleout.errors import ConfigError
 from scaleout.parallel import bytes_per_step, parallelize
-from scaleout.sim.calibration import Calibration, MessageCost
+from scaleout.sim.calibration import Calibration, LockstepCost, MessageCost
 from scaleout.sim.engine import Link
 from scaleout.sim.model_parallel import Compute, GreedySchedule, ModelParallelSim, Move
 from scaleout.sim.setting import Setting
@@ -91,6 +91,33 @@ def test_two_workers_on_two_machines_equal_the_closed_form():
     # what crossed the wire: every stack's exchanges once, and the sums' ring
     sums = 3 * 2 * 2 * 8
     assert result.wire_bytes == sum(schedule.bytes_per_step(k) for k in range(3)) + sums
+
+
+def test_a_calibrated_lockstep_delays_every_exchange_after_compute():
+    """An exchange after compute costs `lockstep["exchange"]` more: with a constant extra,
+    each stack's step grows by it once per exchange that follows a layer's compute (one
+    right after another exchange follows no compute; the sums' all-reduce, "allreduce",
+    has no extra here)."""
+    bandwidth, latency, extra = 1e8, 1e-4, 3e-3
+    cfg = config((1, 2))
+    constant = LockstepCost(measured_bytes=[1], gaps_s=[1e-9, 1.0], extra_s=[[extra, extra]])
+    cal = hardware().model_copy(update={"lockstep": {"exchange": constant}})
+    setting = Setting(cal, machines=2, link=Link(bandwidth, latency), steps=10)
+    sim = ModelParallelSim(cfg, setting)
+    result = sim.run()
+    schedule = sim.schedule
+    expected = []
+    for k in range(3):
+        items = [i for i in schedule.step(k) if isinstance(i, Compute) or i.pairs]
+        moves = sum(
+            1
+            for before, item in zip(items, items[1:], strict=False)
+            if isinstance(item, Move) and isinstance(before, Compute)
+        )
+        moves += isinstance(items[0], Move)  # after the step before it
+        assert 0 < moves < len(items)
+        expected.append(expected_step(schedule, k, bandwidth, latency, [0, 1]) + moves * extra)
+    assert result.extra["stack_step_s"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_one_worker_has_no_exchanges():

@@ -13,7 +13,13 @@ import pytest
 from scaleout.api import load_config
 from scaleout.errors import ConfigError
 from scaleout.sim.calibrate import model_key
-from scaleout.sim.calibration import Calibration, CodecCost, MessageCost, ModelCost
+from scaleout.sim.calibration import (
+    Calibration,
+    CodecCost,
+    LockstepCost,
+    MessageCost,
+    ModelCost,
+)
 from scaleout.sim.engine import Cluster, Link
 from scaleout.sim.sandblaster import SandblasterSim
 from scaleout.sim.setting import Setting
@@ -136,6 +142,43 @@ def test_sync_allreduce_one_bucket_after_backward():
     assert result.step_s == pytest.approx(compute + ring + opt, rel=REL)
     assert result.wire_bytes == steps * 2 * (n - 1) * 4 * N_PARAMS
     assert result.bytes_by_kind == {"allreduce": result.wire_bytes}
+
+
+def test_sync_allreduce_after_compute_pays_the_lockstep_extra():
+    """The calibrated extra of an all-reduce after compute (here: 0 after 10 ms of compute,
+    rising linearly to 4 ms after 200 ms) lengthens every step by its value at the compute
+    before the bucket: the first step's forward and backward, later ones the optimizer's
+    step too."""
+    n, steps, bandwidth, latency, opt = 2, 3, 1e8, 1e-4, 0.004
+    config, setting = sync_setting([], n, steps, bandwidth, latency, optimizer_s=opt)
+    lockstep = LockstepCost(measured_bytes=[1], gaps_s=[0.01, 0.2], extra_s=[[0.0, 4e-3]])
+    setting.calibration.lockstep["allreduce"] = lockstep
+    result = SyncSim(config, setting).run()
+    compute = 1e-3 * 128 / n
+    ring = 2 * (n - 1) * (latency + 4 * N_PARAMS / n / bandwidth)
+    first = lockstep.extra(compute, 4 * N_PARAMS)
+    later = lockstep.extra(opt + compute, 4 * N_PARAMS)
+    assert 0 < first < later < 4e-3
+    total = steps * (compute + ring + opt) + first + (steps - 1) * later
+    assert result.step_s == pytest.approx(total / steps, rel=REL)
+
+
+def test_lockstep_extra_between_and_beyond_the_measured_points():
+    cost = LockstepCost(
+        measured_bytes=[1_000, 100_000],
+        gaps_s=[1e-3, 2e-3, 3e-3],
+        extra_s=[[1e-3, 2e-3, 3e-3], [3e-3, 3e-3, 3e-3]],  # a line; a constant
+    )
+    assert cost.extra(2.5e-3, 1_000) == pytest.approx(2.5e-3)
+    assert cost.extra(10.0, 1_000) == pytest.approx(3e-3)  # constant beyond the last gap
+    assert cost.extra(0.5e-3, 1_000) == pytest.approx(0.5e-3)  # to 0 below the first
+    assert cost.extra(0.0, 1_000) == 0.0
+    assert cost.extra(2e-3, 10_000) == pytest.approx(2.5e-3)  # halfway in log(bytes)
+    assert cost.extra(2e-3, 1e9) == pytest.approx(3e-3)
+    with pytest.raises(ValueError, match="one row per measured_bytes"):
+        LockstepCost(measured_bytes=[1, 2], gaps_s=[1.0], extra_s=[[0.0]])
+    with pytest.raises(ValueError, match="ascending"):
+        LockstepCost(measured_bytes=[1], gaps_s=[2.0, 1.0], extra_s=[[0.0, 0.0]])
 
 
 @pytest.mark.parametrize("latency", [1e-5, 2e-3])
@@ -422,3 +465,18 @@ def test_a_calibration_on_a_busy_machine_says_so():
 
     assert contended({"quiet": cost(1.05e-3)}) is None
     assert "1.39x" in contended({"quiet": cost(1.0e-3), "busy": cost(1.39e-3)})
+
+
+def test_lockstep_measures_each_gap_on_two_ranks():
+    """Two gloo ranks on this box: one row per size, one extra per gap (never negative),
+    gaps as the ranks computed them (ascending, about as asked)."""
+    from scaleout.sim.measure_lockstep import measure_lockstep
+
+    cost = measure_lockstep("exchange", sizes=(100,), gaps_s=(2e-3, 6e-3))
+    assert cost.measured_bytes == [400]
+    assert len(cost.extra_s) == 1 and len(cost.extra_s[0]) == 2
+    assert all(e >= 0 for row in cost.extra_s for e in row)
+    assert cost.gaps_s == sorted(cost.gaps_s)
+    assert 0.5e-3 < cost.gaps_s[0] < cost.gaps_s[1] < 30e-3
+    with pytest.raises(ValueError, match="kind must be one of"):
+        measure_lockstep("broadcast")

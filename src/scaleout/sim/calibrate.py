@@ -15,6 +15,8 @@ box drifts):
   at the sizes the configs send, in wall time and in the core-seconds all of the machine's
   processes spend on them (a call keeps more than one core busy, which a loaded machine
   feels); a model-parallel exchange between two processes by size;
+- what such a collective costs beyond that after the ranks computed for a while
+  (`measure_lockstep`: waiting for the slower rank, gloo's threads waking up);
 - sync's weight averaging (`average_tensors`) between two processes by size;
 - a checkpoint write per byte, and the local part of sync's weight averaging per byte
   (one process alone, for calibrations without the two-process measurement).
@@ -46,6 +48,7 @@ from scaleout.sim.measure_calls import (
     shard_message_sizes,
 )
 from scaleout.sim.measure_compute import measure_model
+from scaleout.sim.measure_lockstep import measure_lockstep
 from scaleout.sim.measuring import model_key, timed
 
 OPTIMIZERS = ("sgd", "momentum", "adagrad", "rmsprop", "adam")
@@ -166,6 +169,8 @@ def calibrate(
     average = measure_average(average_sizes(configs, models))
     say("model-parallel exchanges between two processes")
     exchange = measure_exchange()
+    say("collectives after compute between two processes")
+    lockstep = {kind: measure_lockstep(kind) for kind in ("allreduce", "exchange")}
     say("checkpoint writes")
     checkpoint = measure_checkpoint()
     flatten = measure_flatten()
@@ -181,6 +186,7 @@ def calibrate(
         allreduce=allreduce,
         average=average,
         exchange=exchange,
+        lockstep=lockstep,
         checkpoint_bytes_per_s=checkpoint,
         flatten_bytes_per_s=flatten,
         idle_cores=idle_cores,

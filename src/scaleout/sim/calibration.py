@@ -13,8 +13,10 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -49,6 +51,9 @@ class ModelCost(_Model):
     # a layer-wise model's phases: seconds per example of a 1-thread step of each (phase k
     # runs the frozen stacks below it); empty: one phase, or not measured
     phase_s: list[PositiveFloat] = []
+    # per phase, the share of its step that does not shrink with the work (as
+    # `fixed_fraction`); empty: one phase, or not measured (`fixed_fraction` stands)
+    phase_fixed_fraction: list[Annotated[float, Field(ge=0, lt=1)]] = []
     eval_s: PositiveFloat  # seconds per test example (forward only)
     load_s: float = 0.0  # seconds per example of the loader alone (within train_s)
     optimizer_s: float = 0.0  # seconds per step of the config's optimizer on the whole model
@@ -168,6 +173,43 @@ class MessageCost(_Model):
         return caller, (wall - caller_wall, (1 - fraction) * cores)
 
 
+class LockstepCost(_Model):
+    """What a collective of two processes of this machine costs after the ranks computed
+    for a while, beyond its back-to-back price (`measure_lockstep`: the faster rank waits
+    for the slower, gloo's threads wake up). `extra_s[i][j]`: at `measured_bytes[i]` after
+    `gaps_s[j]` seconds of compute."""
+
+    measured_bytes: list[PositiveInt]
+    gaps_s: list[PositiveFloat]
+    extra_s: list[list[float]]
+
+    @model_validator(mode="after")
+    def _shape(self) -> LockstepCost:
+        if self.gaps_s != sorted(self.gaps_s) or self.measured_bytes != sorted(self.measured_bytes):
+            raise ValueError("measured_bytes and gaps_s must be ascending")
+        if len(self.extra_s) != len(self.measured_bytes) or any(
+            len(row) != len(self.gaps_s) for row in self.extra_s
+        ):
+            raise ValueError("extra_s needs one row per measured_bytes, one value per gap")
+        return self
+
+    def extra(self, gap_s: float, nbytes: float) -> float:
+        """Extra seconds of a collective of `nbytes` after `gap_s` seconds of compute: per
+        measured size the least-squares line through its gaps (single points are noisy: a
+        mean holds the rare long stall), at least 0, constant beyond the longest gap and
+        falling to 0 below the shortest (back to back costs nothing extra); between sizes
+        in log(bytes), constant beyond them."""
+        if gap_s <= 0:
+            return 0.0
+        at = min(max(gap_s, self.gaps_s[0]), self.gaps_s[-1])
+        per_size = []
+        for row in self.extra_s:
+            slope, intercept = statistics.linear_regression(self.gaps_s, row)
+            per_size.append(max(intercept + slope * at, 0.0))
+        extra = interpolate(self.measured_bytes, per_size, max(nbytes, 1.0))
+        return extra * min(gap_s / self.gaps_s[0], 1.0)
+
+
 class LinkCost(_Model):
     """A network link measured between two testnet hosts (or quoted for a paper's)."""
 
@@ -194,6 +236,10 @@ class Calibration(_Model):
     # the other (gloo all-to-all with the cutting and placing around it; a hardware file:
     # a copy between two GPUs of one server)
     exchange: MessageCost | None = None
+    # a lock-step collective after compute, beyond `allreduce` / `exchange`, by kind
+    # ("allreduce", "exchange"; missing: a file from before it was measured, or a hardware
+    # file: nothing extra)
+    lockstep: dict[str, LockstepCost] = {}
     checkpoint_bytes_per_s: PositiveFloat = 200e6
     # flatten a list of tensors, scale it and copy it back (sync "average" mode's work
     # around its all-reduce, one process alone), bytes of the tensors per second
@@ -292,7 +338,7 @@ def _at_threads(table: dict[int, float], threads: int) -> float:
     return table[base] * base / threads if below else table[base]
 
 
-def interpolate(xs: list[int], ys: list[float], x: float) -> float:
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise linear in log(x) between measured sizes; constant beyond both ends."""
     if not xs:
         raise ValueError("no measured sizes to interpolate")

@@ -61,28 +61,34 @@ class _Stepper:
     def num_phases(self) -> int:
         return getattr(self.model, "num_phases", 1)
 
-    def phase_s(self, steps: int) -> list[float]:
-        """Seconds per example of a step of every phase of a layer-wise model (greedy
-        training: phase k runs the frozen stacks below it too), at the threads set now."""
-        out = []
+    def phase_costs(self, steps: int) -> tuple[list[float], list[float]]:
+        """Per phase of a layer-wise model (greedy training: phase k runs the frozen stacks
+        below it too), at the threads set now: seconds per example of a step, and the share
+        of the step that does not shrink with the work (`fixed_fraction`; a stack of small
+        maps is mostly fixed costs)."""
+        seconds, fixed = [], []
         for phase in range(self.num_phases):
             self.objective.parameter_groups(self.model, phase, 0.0)  # trains phase k only
             self.objective.begin_phase(self.model, self.next_batch(), phase)
             step = lambda phase=phase: self.step(phase=phase)  # noqa: E731
-            out.append(timed(step, repeats=steps, warmup=1) / self.batch)
+            seconds.append(timed(step, repeats=steps, warmup=1) / self.batch)
+            fixed.append(fixed_fraction(self, steps, phase=phase) if self.batch >= 2 else 0.0)
         self.objective.parameter_groups(self.model, 0, 0.0)
-        return out
+        return seconds, fixed
 
 
-def fixed_fraction(stepper: _Stepper, steps: int, rounds: int = 3) -> float:
-    """The share of a 1-thread step that does not shrink with the batch: steps on the whole
-    minibatch and on half of it, alternately (`t(B) = a + c B`; `a = 2 t(B/2) - t(B)`)."""
-    whole, half = [], []
+def fixed_fraction(stepper: _Stepper, steps: int, rounds: int = 7, phase: int = 0) -> float:
+    """The share of a 1-thread step (of `phase`) that does not shrink with the batch: steps
+    on the whole minibatch and on half of it, alternately (`t(B) = a + c B`;
+    `a = 2 t(B/2) - t(B)`), the median of the rounds' shares (each round's pair is timed
+    close together: this box's speed drifts by 10-30% within a minute, which a median of
+    all whole and of all half steps would fold into `a`)."""
+    shares = []
     for _ in range(rounds):
-        whole.append(timed(stepper.step, repeats=steps, warmup=1))
-        half.append(timed(lambda: stepper.step(2), repeats=steps, warmup=1))
-    full = statistics.median(whole)
-    return min(max(2 * statistics.median(half) - full, 0.0) / full, MAX_FIXED_FRACTION)
+        whole = timed(lambda: stepper.step(phase=phase), repeats=steps, warmup=1)
+        half = timed(lambda: stepper.step(2, phase), repeats=steps, warmup=1)
+        shares.append(max(2 * half - whole, 0.0) / whole)
+    return min(statistics.median(shares), MAX_FIXED_FRACTION)
 
 
 def _alone_and_together(
@@ -191,7 +197,9 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
                 samples[threads].append(timed(stepper.step, repeats=steps // 2, warmup=1))
         train_s = {t: statistics.median(times) / batch for t, times in samples.items()}
         torch.set_num_threads(1)
-        phase_s = stepper.phase_s(steps // 2) if stepper.num_phases > 1 else []
+        phase_s, phase_fixed = (
+            stepper.phase_costs(steps // 2) if stepper.num_phases > 1 else ([], [])
+        )
         fixed = fixed_fraction(stepper, steps) if batch >= 2 else 0.0
         load_s = timed(stepper.next_batch, repeats=steps) / batch
         optimizer = build_optimizer(model.parameters(), stepper.job.train)
@@ -224,6 +232,7 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
         batch_size=batch,
         train_s=train_s,
         phase_s=phase_s,
+        phase_fixed_fraction=phase_fixed,
         concurrent_s=concurrent_s,
         eval_s=eval_s,
         load_s=load_s,

@@ -16,8 +16,8 @@ has arrived.
 
 Prices: a worker's compute is its part's FLOPs (its block positions' filters, its pixels
 of pooling and normalisation; `scaleout.nn.local` counts them; the calibrated share of a
-step that does not shrink with the work, `ModelCost.fixed_fraction`, stays whole on every
-worker) at the machine's FLOP rate:
+step that does not shrink with the work, `ModelCost.phase_fixed_fraction` of its stack,
+stays whole on every worker) at the machine's FLOP rate:
 measured, when the calibration has this config's model (the rate of its measured step of
 that stack in one process, the frozen stacks below included: pooling and normalisation
 cost more per FLOP than the filters' GEMMs), else the file's `flops_per_s` per thread (a
@@ -26,7 +26,10 @@ the calibration's two-process exchange (`Calibration.exchange`: the library's ex
 over gloo, measured on this box; a copy between GPUs of a server in a hardware file), each
 worker paying it for the bytes it sends its machine's workers (a calibration without it:
 as ring steps of its all-reduce, `sync.ring_send`); pieces between machines cross the
-sender's and the receiver's links.
+sender's and the receiver's links. An exchange that follows a layer's compute costs
+`Calibration.lockstep["exchange"]` more (a worker that finished first waits for the
+other, gloo's threads wake up; measured on this box after that much compute), and the
+sums' all-reduce `lockstep["allreduce"]` (`CollectiveClock`).
 
 Placement: the P workers of the grid over N machines, consecutive ranks together (worker
 r on machine r * N // P: COTS HPC's four GPUs per server); `--machines 1` is the run as
@@ -50,7 +53,7 @@ from scaleout.parallel import Exchange, greedy_exchanges, parallelize
 from scaleout.sim.engine import Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting
-from scaleout.sim.sync import ring_allreduce, ring_send
+from scaleout.sim.sync import CollectiveClock, ring_allreduce, ring_send
 from scaleout.strategies.model_parallel import ModelParallelSection
 
 SUM_VALUES = 4  # the objective's two sums, the example count and alpha's gradient
@@ -181,12 +184,13 @@ class ModelParallelSim:
         self.threads = config.run.num_threads or 1
         self.cost = cal.models.get(model_key(config))
         self.s_per_flop = self._seconds_per_flop()
-        self.fixed = self.cost.fixed_fraction if self.cost is not None else 0.0
+        self.fixed = self._fixed_fractions()
         self.cluster = setting.cluster()
         if self.cost is not None:
             for machine in self.cluster.machines:
                 machine.cores.slowdown = self.cost.slowdown
         self.env = self.cluster.env
+        self.clock = CollectiveClock(self.cluster, cal, self.workers)
         self.machine_of = [r * setting.machines // self.workers for r in range(self.workers)]
         self.shares_machine = [self.machine_of.count(m) > 1 for m in self.machine_of]
         self.compute_s = self.exchange_s = 0.0  # wall time in layers' compute, in exchanges
@@ -211,6 +215,16 @@ class ModelParallelSim:
                 "run `scaleout calibrate CONFIG` with it"
             )
         return [1.0 / (rate * self.threads) for _ in stacks]
+
+    def _fixed_fractions(self) -> list[float]:
+        """Per stack, the share of its step that stays whole on every worker: measured per
+        stack (a stack of small maps is mostly fixed costs), else the model's, else 0."""
+        stacks = self.schedule.num_stacks
+        if self.cost is None:
+            return [0.0] * stacks
+        if len(self.cost.phase_fixed_fraction) == stacks:
+            return list(self.cost.phase_fixed_fraction)
+        return [self.cost.fixed_fraction] * stacks
 
     def _worker_compute(self, rank: int, seconds: float) -> Process:
         yield from self.cluster.machines[self.machine_of[rank]].compute(seconds, self.threads)
@@ -259,11 +273,13 @@ class ModelParallelSim:
                 # a share of a layer's time does not shrink with the part (Python, the
                 # operators' fixed costs): as with the batch, `ModelCost.fixed_fraction`
                 price, whole = self.s_per_flop[index], sum(item.flops)
-                seconds = [price * (self.fixed * whole + (1 - self.fixed) * f) for f in item.flops]
+                fixed = self.fixed[index]
+                seconds = [price * (fixed * whole + (1 - fixed) * f) for f in item.flops]
                 jobs = [env.process(self._worker_compute(r, t)) for r, t in enumerate(seconds)]
             elif not item.pairs:
                 continue  # an exchange without peers skips the collective on every worker
             else:
+                yield from self.clock.wake(max(item.pairs.values()), "exchange")
                 kind = f"exchange {item.exchange.name}"
                 if self.cal.exchange is not None:
                     jobs = [env.process(self._exchange(r, item, kind)) for r in range(self.workers)]
@@ -274,9 +290,12 @@ class ModelParallelSim:
             if isinstance(item, Compute):
                 self.compute_s += env.now - start
             else:
+                self.clock.ended()
                 self.exchange_s += env.now - start
         machines = self.machine_of
+        yield from self.clock.wake(4 * SUM_VALUES)
         yield from ring_allreduce(self.cluster, machines, 4 * SUM_VALUES, self.cal, "sums")
+        self.clock.ended()
         optimizer = self.train.optimizer
         updates = [
             env.process(self.cluster.machines[machines[r]].work(self.cal.apply_s(optimizer, n)))

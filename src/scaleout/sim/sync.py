@@ -40,7 +40,8 @@ core-seconds of both processes, measured at the sizes a config reduces): a two-r
 all-reduce is two ring steps, so each rank's step takes half the calibrated seconds and
 keeps a quarter of its core-seconds busy, and a two-rank ring on one machine takes exactly
 the calibrated time on a quiet machine (longer when the cores are busy). The reduction's
-arithmetic between machines is not priced.
+arithmetic between machines is not priced. A collective after compute costs more than one
+back to back (`CollectiveClock`: `Calibration.lockstep`, measured after that much compute).
 
 Placement: `--machines 1` runs `sync.num_workers` workers on the one machine, sharing its
 cores (slowed as calibrated when several compute at once). On N > 1 machines there is one
@@ -164,6 +165,30 @@ def ring_send(
         yield from cluster.machines[source].call(seconds, cores)
 
 
+class CollectiveClock:
+    """When lock-step workers' last collective ended. The next one, after `gap` seconds of
+    compute, costs `Calibration.lockstep.extra(gap, bytes)` more than back to back (the
+    faster rank waits for the slower, gloo's threads wake up): measured on this box per
+    kind of collective; a calibration without it (a hardware file) adds nothing."""
+
+    def __init__(self, cluster: Cluster, calibration: Calibration, workers: int) -> None:
+        self.env, self.cal, self.workers = cluster.env, calibration, workers
+        self.last_end = 0.0
+
+    def wake(self, nbytes: int, kind: str = "allreduce") -> Process:
+        """Before a collective `kind` ("allreduce", "exchange") of `nbytes` (per rank)
+        starts on every worker."""
+        lockstep = self.cal.lockstep.get(kind)
+        if lockstep is None or self.workers <= 1:
+            return
+        extra = lockstep.extra(self.env.now - self.last_end, nbytes)
+        if extra > 0:
+            yield self.env.timeout(extra)
+
+    def ended(self) -> None:
+        self.last_end = self.env.now
+
+
 def ddp_buckets(
     numels: Sequence[int],
     cap_bytes: int = int(BUCKET_CAP_MB * 1024 * 1024),
@@ -232,6 +257,7 @@ class SyncSim:
         for machine in self.cluster.machines:
             machine.cores.slowdown = self.cost.slowdown
         self.env = self.cluster.env
+        self.clock = CollectiveClock(self.cluster, self.cal, self.num_workers)
         self.where = [w % machines for w in range(self.num_workers)]
         self.numel = self.cost.num_parameters
         self.step_s = self.cost.step_s(self.train.batch_size // self.num_workers, self.threads)
@@ -259,7 +285,9 @@ class SyncSim:
     # --- collectives ---------------------------------------------------------------------
 
     def _allreduce(self, nbytes: int) -> Process:
+        yield from self.clock.wake(nbytes)
         yield from ring_allreduce(self.cluster, self.where, nbytes, self.cal)
+        self.clock.ended()
 
     def _on_every_worker(self, seconds: float) -> Process:
         """`seconds` of one thread's work on every worker at once, until all are done."""
@@ -292,7 +320,9 @@ class SyncSim:
         yield from self._on_every_worker(self.cal.codec_s(self.codec, numel, "encode"))
         codes, scales = layout(self.codec, numel, self.block_size)
         packed = codes + 4 * scales + 1  # `pack`: codes, scales, a flag byte
+        yield from self.clock.wake(packed)
         yield from ring_allgather(self.cluster, self.where, packed, self.cal)
+        self.clock.ended()
         decode = self.num_workers * self.cal.codec_s(self.codec, numel, "decode")
         yield from self._on_every_worker(decode)
 

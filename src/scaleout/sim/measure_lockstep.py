@@ -1,0 +1,150 @@
+"""What a lock-step collective costs after compute, beyond its back-to-back price.
+
+`Calibration.allreduce` and `Calibration.exchange` are measured with calls back to back.
+In a run the workers compute between collectives (a layer between two model-parallel
+exchanges, a backward pass before DDP's all-reduce), and then a collective costs more: a
+rank that finished its compute first waits for the other (two processes on two cores do
+not run at one pace), and gloo's threads, asleep while the ranks computed, wake up first.
+Measured on this box (two 1-thread processes, 4 KB, back to back ~0.9-1.5 ms): about +0.3
+to +0.5 ms after 1 ms of compute, +0.6 to +1.5 ms after 4 ms, +1.5 to +2.5 ms after 16 ms;
+the figures move with the box's load from one measurement to the next.
+
+`measure_lockstep` has two gloo ranks compute for a gap (matrix products and passes over
+memory on one thread, `_Filler`), then call the collective, over and over: gloo's
+all-reduce (sync's), or the library's model-parallel exchange (`_exchange_call`: cutting,
+the all-to-all, placing). Per gap and message size the extra is the mean seconds of the
+collective, over both ranks, less the mean of the same collective back to back. A step's
+wall time is each rank's compute plus its wait, so the mean over ranks of the waits is what
+a simulated collective adds to the simulated (mean) compute before it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from scaleout.sim.calibration import LockstepCost
+from scaleout.sim.measure_calls import _allreduce_call, _exchange_call
+from scaleout.sim.measuring import in_processes
+
+COLLECTIVES = {"allreduce": _allreduce_call, "exchange": _exchange_call}
+
+LOCKSTEP_SIZES = (1_000, 300_000)  # values all-reduced (4 KB, 1.2 MB)
+LOCKSTEP_GAPS_S = (1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3)
+SAMPLE_S = 1.0  # at least, per (size, gap), over all rounds: a mean holds rare long stalls
+ROUNDS = 4  # every point sampled in each round: the box drifts within seconds
+MIN_CALLS, BACK_TO_BACK_CALLS = 10, 75  # per round
+WARMUP = 3  # per round and point
+
+
+class _Filler:
+    """A worker's compute between collectives, in units of a matrix product (cache-bound)
+    and a pass over 8 MB (memory-bound), as a network's layers mix them."""
+
+    def __init__(self) -> None:
+        self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
+        self.x = torch.randn(1_000_000)
+        self.y = torch.empty_like(self.x)
+        began = time.perf_counter()
+        for _ in range(10):
+            self.unit()
+        self.unit_s = (time.perf_counter() - began) / 10
+
+    def unit(self) -> None:
+        torch.mm(self.a, self.b)
+        torch.mul(self.x, 1.0001, out=self.y)
+
+    def run(self, seconds: float) -> None:
+        for _ in range(max(1, round(seconds / self.unit_s))):
+            self.unit()
+
+
+def _calls(gap_s: float) -> int:
+    return max(MIN_CALLS, round(SAMPLE_S / ROUNDS / (gap_s + 1e-3)))
+
+
+def _rank(
+    rank: int,
+    port: int,
+    kind: str,
+    sizes: Sequence[int],
+    gaps_s: Sequence[float],
+    out: Any,  # noqa: ANN401 - a multiprocessing queue
+) -> None:
+    """One of two ranks: per size, the collective's mean seconds back to back, then per
+    gap its mean seconds after that much compute, and the compute's mean seconds; every
+    point sampled in each of `ROUNDS` rounds."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        filler = _Filler()
+        collectives = [COLLECTIVES[kind](rank, size) for size in sizes]
+        back_to_back: list[list[float]] = [[] for _ in sizes]
+        waits = [[[] for _ in gaps_s] for _ in sizes]  # [size][gap] -> seconds
+        computes = [[[] for _ in gaps_s] for _ in sizes]
+        for _ in range(ROUNDS):
+            for s, collective in enumerate(collectives):
+                for i in range(WARMUP + BACK_TO_BACK_CALLS):
+                    started = time.perf_counter()
+                    collective()
+                    if i >= WARMUP:
+                        back_to_back[s].append(time.perf_counter() - started)
+                for g, gap in enumerate(gaps_s):
+                    for i in range(WARMUP + _calls(gap)):
+                        started = time.perf_counter()
+                        filler.run(gap)
+                        computed = time.perf_counter()
+                        collective()
+                        if i >= WARMUP:
+                            computes[s][g].append(computed - started)
+                            waits[s][g].append(time.perf_counter() - computed)
+        out.put(
+            (
+                rank,
+                {
+                    "back_to_back": [statistics.mean(c) for c in back_to_back],
+                    "waits": [[statistics.mean(w) for w in row] for row in waits],
+                    "computes": [[statistics.mean(c) for c in row] for row in computes],
+                },
+            )
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_lockstep(
+    kind: str,
+    sizes: Sequence[int] = LOCKSTEP_SIZES,
+    gaps_s: Sequence[float] = LOCKSTEP_GAPS_S,
+) -> LockstepCost:
+    """The extra seconds of a two-process collective `kind` ("allreduce" or "exchange")
+    after compute, by bytes each rank sends and the compute's measured seconds (see the
+    module docstring)."""
+    from scaleout.comm import free_port
+
+    if kind not in COLLECTIVES:
+        raise ValueError(f"kind must be one of {sorted(COLLECTIVES)}, got {kind!r}")
+    port = free_port()
+    args = [(rank, port, kind, list(sizes), list(gaps_s)) for rank in range(2)]
+    answers = [a for _, a in sorted(in_processes(_rank, args, 2), key=lambda a: a[0])]
+    extra, measured_gaps = [], []
+    for s in range(len(sizes)):
+        alone = statistics.mean(a["back_to_back"][s] for a in answers)
+        waits = [statistics.mean(a["waits"][s][g] for a in answers) for g in range(len(gaps_s))]
+        gaps = [statistics.mean(a["computes"][s][g] for a in answers) for g in range(len(gaps_s))]
+        extra.append([max(w - alone, 0.0) for w in waits])
+        measured_gaps.append(gaps)
+    # one gap axis for all sizes: the gaps as computed, averaged over the sizes
+    gap_axis = [statistics.mean(g[i] for g in measured_gaps) for i in range(len(gaps_s))]
+    order = sorted(range(len(gap_axis)), key=gap_axis.__getitem__)
+    return LockstepCost(
+        measured_bytes=[4 * s for s in sizes],
+        gaps_s=[gap_axis[i] for i in order],
+        extra_s=[[row[i] for i in order] for row in extra],
+    )
