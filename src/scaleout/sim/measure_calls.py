@@ -215,7 +215,7 @@ def _two_ranks(
         dist.destroy_process_group()
 
 
-def _allreduce_call(rank: int, size: int) -> Callable[[], None]:
+def allreduce_call(rank: int, size: int) -> Callable[[], None]:
     """An all-reduce of `size` values."""
     import torch.distributed as dist
 
@@ -223,7 +223,7 @@ def _allreduce_call(rank: int, size: int) -> Callable[[], None]:
     return lambda: dist.all_reduce(x)
 
 
-def _average_call(rank: int, size: int) -> Callable[[], None]:
+def average_call(rank: int, size: int) -> Callable[[], None]:
     """Sync "average" mode's `average_tensors` of `size` values in `AVERAGE_PIECES`
     tensors: flattened, all-reduced, scaled and copied back."""
     from scaleout.parallel import average_tensors
@@ -233,7 +233,7 @@ def _average_call(rank: int, size: int) -> Callable[[], None]:
     return lambda: average_tensors(tensors)
 
 
-def _exchange_call(rank: int, size: int) -> Callable[[], None]:
+def exchange_call(rank: int, size: int) -> Callable[[], None]:
     """An exchange of a (1, 1, 2, size) distributed array: each rank holds a row and needs
     both, so it sends `size` values to the other, as a model-parallel exchange moves a
     halo (`scaleout.comm.darray.exchange`: cutting, the all-to-all, placing)."""
@@ -268,8 +268,8 @@ EXCHANGE_SIZES = (100, 1_000, 10_000, 100_000, 1_000_000)  # values each rank se
 
 def measure_exchange(sizes: Sequence[int] = EXCHANGE_SIZES) -> MessageCost:
     """A model-parallel exchange between two processes of this machine, by bytes each
-    sends the other (`_exchange_call`)."""
-    return _measure_two_ranks(_exchange_call, sizes)
+    sends the other (`exchange_call`)."""
+    return _measure_two_ranks(exchange_call, sizes)
 
 
 def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
@@ -291,7 +291,7 @@ def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> lis
 
 def measure_allreduce(sizes: Sequence[int] = ALLREDUCE_SIZES) -> MessageCost:
     """A gloo all-reduce between two processes of this machine, by tensor bytes."""
-    return _measure_two_ranks(_allreduce_call, sizes)
+    return _measure_two_ranks(allreduce_call, sizes)
 
 
 def average_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
@@ -311,4 +311,4 @@ def average_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[
 def measure_average(sizes: Sequence[int] = AVERAGE_SIZES) -> MessageCost:
     """Sync's `average_tensors` between two processes of this machine, by tensor bytes:
     the all-reduce and the local work around it, both ranks' copies at once."""
-    return _measure_two_ranks(_average_call, sizes)
+    return _measure_two_ranks(average_call, sizes)

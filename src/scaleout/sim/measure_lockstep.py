@@ -11,7 +11,7 @@ the figures move with the box's load from one measurement to the next.
 
 `measure_lockstep` has two gloo ranks compute for a gap (matrix products and passes over
 memory on one thread, `_Filler`), then call the collective, over and over: gloo's
-all-reduce (sync's), or the library's model-parallel exchange (`_exchange_call`: cutting,
+all-reduce (sync's), or the library's model-parallel exchange (`exchange_call`: cutting,
 the all-to-all, placing). Per gap and message size the extra is the mean seconds of the
 collective, over both ranks, less the mean of the same collective back to back. A step's
 wall time is each rank's compute plus its wait, so the mean over ranks of the waits is what
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from scaleout.sim.calibration import LockstepCost
-from scaleout.sim.measure_calls import _allreduce_call, _exchange_call
+from scaleout.sim.measure_calls import allreduce_call, exchange_call
 from scaleout.sim.measuring import in_processes
 
-COLLECTIVES = {"allreduce": _allreduce_call, "exchange": _exchange_call}
+COLLECTIVES = {"allreduce": allreduce_call, "exchange": exchange_call}
 
 LOCKSTEP_SIZES = (1_000, 300_000)  # values all-reduced (4 KB, 1.2 MB)
 LOCKSTEP_GAPS_S = (1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3)
