@@ -159,10 +159,8 @@ def calibrate(
     apply_ns = measure_apply()
     say("codecs")
     codecs = measure_codecs()
-    say("pulls and pushes through a parameter-server shard")
-    with session(num_cpus=cores):
-        sizes = shard_message_sizes(configs, models)
-        pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
+    # the collectives between bare processes first: Ray's processes take seconds to exit
+    # after its session, and an all-reduce measured meanwhile took twice as long
     say("gloo all-reduce between two processes")
     allreduce = measure_allreduce(allreduce_sizes(configs, models))
     say("sync's weight averaging between two processes")
@@ -174,6 +172,10 @@ def calibrate(
     say("checkpoint writes")
     checkpoint = measure_checkpoint()
     flatten = measure_flatten()
+    say("pulls and pushes through a parameter-server shard")
+    with session(num_cpus=cores):
+        sizes = shard_message_sizes(configs, models)
+        pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
     return Calibration(
         host=socket.gethostname(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
