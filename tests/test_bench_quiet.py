@@ -46,6 +46,25 @@ def test_a_contended_run_does_not_replace_the_published_results(monkeypatch, tmp
     assert json.loads(json_path.read_text())["machine"]["checks"][1]["quiet"] is False
 
 
+def test_a_suite_that_found_a_load_itself_is_contended(monkeypatch, tmp_path):
+    """Quiet checks around it, but the suite's own measurement saw another load."""
+
+    @register_suite("toy_busy", "a suite whose calibration saw a load")
+    def toy():
+        return SuiteResult(
+            [Row("error", 1.0, "%", "lower")], notes=["contended: x"], contended=True
+        )
+
+    try:
+        monkeypatch.setattr(quiet, "check", lambda: quiet.MachineCheck(2.0, 0.2, 0.2, (2.0,)))
+        document, json_path, _ = run_suite("toy_busy", tmp_path)
+    finally:
+        bench.SUITES.pop("toy_busy")
+    assert json_path.name == "toy_busy.contended.json" and document["contended"]
+    assert document["notes"] == ["contended: x"]
+    assert not (tmp_path / "toy_busy.json").exists()
+
+
 def test_checks_can_be_turned_off_and_say_so(monkeypatch, tmp_path, toy_suite):
     monkeypatch.setenv("SCALEOUT_BENCH_CHECK", "0")
     monkeypatch.setattr(quiet, "check", lambda: pytest.fail("checked"))

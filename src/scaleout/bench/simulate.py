@@ -165,4 +165,4 @@ def run() -> SuiteResult:
         f"simulated {d['simulated']:,.0f} ({d['error']:+.1f}%)"
         for d in details
     )
-    return SuiteResult(rows, notes=notes)
+    return SuiteResult(rows, notes=notes, contended="contended" in calibration.notes)
