@@ -167,7 +167,7 @@ def ring_send(
 
 class CollectiveClock:
     """When lock-step workers' last collective ended. The next one, after `gap` seconds of
-    compute, costs `Calibration.lockstep.extra(gap, bytes)` more than back to back (the
+    compute, costs `Calibration.lockstep[kind].extra(gap, bytes)` more than back to back (the
     faster rank waits for the slower, gloo's threads wake up): measured on this box per
     kind of collective; a calibration without it (a hardware file) adds nothing."""
 
