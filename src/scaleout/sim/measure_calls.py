@@ -5,12 +5,12 @@ processes, by size, in wall time and in the core-seconds all processes spend on 
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,27 +192,44 @@ def _per_call(once: Callable[[], None]) -> tuple[float, float]:
     return (time.perf_counter() - started) / calls, (time.process_time() - own) / calls
 
 
-def _two_ranks(
-    rank: int,
-    port: int,
-    sizes: Sequence[int],
-    out: Any,  # noqa: ANN401
-    call_for: Callable[[int, int], Callable[[], None]],
-) -> None:
-    """One of two gloo ranks: per size, `_per_call` of `call_for(rank, size)`."""
+@contextmanager
+def gloo_pair(rank: int, port: int) -> Iterator[None]:
+    """Rank `rank` of a two-process gloo group on this machine, one torch thread."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def on_two_ranks(target: Callable[..., None], *args: Any) -> list[Any]:  # noqa: ANN401
+    """`target(rank, port, *args, queue)` in two spawned processes (which meet in
+    `gloo_pair(rank, port)` and put `(rank, answer)`); the answers in rank order."""
+    from scaleout.comm import free_port
+
+    port = free_port()
+    answers = in_processes(target, [(rank, port, *args) for rank in range(2)], 2)
+    return [answer for _, answer in sorted(answers, key=lambda a: a[0])]
+
+
+def _two_ranks(
+    rank: int,
+    port: int,
+    sizes: Sequence[int],
+    call_for: Callable[[int, int], Callable[[], None]],
+    out: Any,  # noqa: ANN401
+) -> None:
+    """One of two gloo ranks: per size, `_per_call` of `call_for(rank, size)`."""
+    with gloo_pair(rank, port):
         walls, cpus = [], []
         for size in sizes:
             wall, cpu = _per_call(call_for(rank, size))
             walls.append(wall)
             cpus.append(cpu)
-        out.put((rank, walls, cpus))
-    finally:
-        dist.destroy_process_group()
+        out.put((rank, (walls, cpus)))
 
 
 def allreduce_call(rank: int, size: int) -> Callable[[], None]:
@@ -253,12 +270,7 @@ def _measure_two_ranks(
     """`call_for`'s collective between two processes of this machine, by bytes of `sizes`
     values: wall time, and the core-seconds of both processes (the caller's share: one
     rank's)."""
-    from scaleout.comm import free_port
-
-    port = free_port()
-    args = [(rank, port, list(sizes)) for rank in range(2)]
-    answers = in_processes(functools.partial(_two_ranks, call_for=call_for), args, 2)
-    (_, walls, cpus0), (_, _, cpus1) = sorted(answers, key=lambda a: a[0])
+    (walls, cpus0), (_, cpus1) = on_two_ranks(_two_ranks, list(sizes), call_for)
     calls = [CallCost(wall, c0 + c1, c0) for wall, c0, c1 in zip(walls, cpus0, cpus1, strict=True)]
     return message_cost([4 * s for s in sizes], calls)
 

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from scaleout.sim.calibration import LockstepCost
-from scaleout.sim.measure_calls import allreduce_call, exchange_call
-from scaleout.sim.measuring import in_processes
+from scaleout.sim.measure_calls import allreduce_call, exchange_call, gloo_pair, on_two_ranks
 
 COLLECTIVES = {"allreduce": allreduce_call, "exchange": exchange_call}
 
@@ -78,11 +77,7 @@ def _rank(
     """One of two ranks: per size, the collective's mean seconds back to back, then per
     gap its mean seconds after that much compute, and the compute's mean seconds; every
     point sampled in each of `ROUNDS` rounds."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_pair(rank, port):
         filler = _Filler()
         collectives = [COLLECTIVES[kind](rank, size) for size in sizes]
         back_to_back: list[list[float]] = [[] for _ in sizes]
@@ -114,8 +109,6 @@ def _rank(
                 },
             )
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def measure_lockstep(
@@ -126,13 +119,9 @@ def measure_lockstep(
     """The extra seconds of a two-process collective `kind` ("allreduce" or "exchange")
     after compute, by bytes each rank sends and the compute's measured seconds (see the
     module docstring)."""
-    from scaleout.comm import free_port
-
     if kind not in COLLECTIVES:
         raise ValueError(f"kind must be one of {sorted(COLLECTIVES)}, got {kind!r}")
-    port = free_port()
-    args = [(rank, port, kind, list(sizes), list(gaps_s)) for rank in range(2)]
-    answers = [a for _, a in sorted(in_processes(_rank, args, 2), key=lambda a: a[0])]
+    answers = on_two_ranks(_rank, kind, list(sizes), list(gaps_s))
     extra, measured_gaps = [], []
     for s in range(len(sizes)):
         alone = statistics.mean(a["back_to_back"][s] for a in answers)
