@@ -179,6 +179,8 @@ def test_lockstep_extra_between_and_beyond_the_measured_points():
         LockstepCost(measured_bytes=[1, 2], gaps_s=[1.0], extra_s=[[0.0]])
     with pytest.raises(ValueError, match="ascending"):
         LockstepCost(measured_bytes=[1], gaps_s=[2.0, 1.0], extra_s=[[0.0, 0.0]])
+    with pytest.raises(ValueError, match="two distinct gaps"):
+        LockstepCost(measured_bytes=[1], gaps_s=[1.0], extra_s=[[0.0]])
 
 
 @pytest.mark.parametrize("latency", [1e-5, 2e-3])

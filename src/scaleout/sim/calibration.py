@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     PositiveFloat,
     PositiveInt,
+    PrivateAttr,
     ValidationError,
     model_validator,
 )
@@ -182,6 +183,7 @@ class LockstepCost(_Model):
     measured_bytes: list[PositiveInt]
     gaps_s: list[PositiveFloat]
     extra_s: list[list[float]]
+    _lines: list[tuple[float, float]] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _shape(self) -> LockstepCost:
@@ -191,6 +193,10 @@ class LockstepCost(_Model):
             len(row) != len(self.gaps_s) for row in self.extra_s
         ):
             raise ValueError("extra_s needs one row per measured_bytes, one value per gap")
+        if len(set(self.gaps_s)) < 2:
+            raise ValueError("gaps_s needs two distinct gaps at least (a line is fitted)")
+        # per measured size, the least-squares (slope, intercept) through its gaps
+        self._lines = [statistics.linear_regression(self.gaps_s, row) for row in self.extra_s]
         return self
 
     def extra(self, gap_s: float, nbytes: float) -> float:
@@ -202,10 +208,7 @@ class LockstepCost(_Model):
         if gap_s <= 0:
             return 0.0
         at = min(max(gap_s, self.gaps_s[0]), self.gaps_s[-1])
-        per_size = []
-        for row in self.extra_s:
-            slope, intercept = statistics.linear_regression(self.gaps_s, row)
-            per_size.append(max(intercept + slope * at, 0.0))
+        per_size = [max(intercept + slope * at, 0.0) for slope, intercept in self._lines]
         extra = interpolate(self.measured_bytes, per_size, max(nbytes, 1.0))
         return extra * min(gap_s / self.gaps_s[0], 1.0)
 
