@@ -2,6 +2,9 @@
 suite's results go (beside the published ones, never over them)."""
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -71,3 +74,17 @@ def test_checks_can_be_turned_off_and_say_so(monkeypatch, tmp_path, toy_suite):
     document, json_path, _ = run_suite(toy_suite, tmp_path)
     assert json_path.name == "toy_quiet.contended.json" and document["contended"]
     assert document["notes"][0].startswith("unchecked")
+
+
+def test_wait_idle_waits_while_a_process_keeps_a_core_busy():
+    from scaleout.bench.quiet import wait_idle
+
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 2\nwhile time.time() < end: pass"]
+    )
+    try:
+        time.sleep(0.3)  # the interpreter starts spinning
+        waited = wait_idle(max_s=6.0, busy_cores=0.5)
+    finally:
+        busy.wait(timeout=30)
+    assert 1.0 <= waited <= 6.6  # ~1.7 s left of the spin; 6 s at most

@@ -137,6 +137,17 @@ def contended(models: dict[str, ModelCost]) -> str | None:
     )
 
 
+def configs_per_model(configs: Sequence[Any]) -> dict[str, Any]:  # noqa: ANN401 - RunConfigs
+    """The config whose model `calibrate` measures, per model key: a sync one when any (it
+    measures DDP's cost too)."""
+    chosen: dict[str, Any] = {}
+    for config in configs:
+        key = model_key(config)
+        if key not in chosen or config.train.strategy == "sync":
+            chosen[key] = config
+    return chosen
+
+
 def calibrate(
     configs: Sequence[Any],  # noqa: ANN401 - RunConfigs
     say: Callable[[str], None] = print,
@@ -145,13 +156,8 @@ def calibrate(
     from scaleout.runtime import session
 
     cores = os.cpu_count() or 1
-    chosen: dict[str, Any] = {}  # one config per model: a sync one when any (DDP's cost)
-    for config in configs:
-        key = model_key(config)
-        if key not in chosen or config.train.strategy == "sync":
-            chosen[key] = config
     models = {}
-    for key, config in chosen.items():
+    for key, config in configs_per_model(configs).items():
         say(f"compute: {config.run.name} at 1..{cores} threads")
         models[key] = measure_model(config, cores)
     torch.set_num_threads(1)
