@@ -17,8 +17,10 @@ the mean of the two predictions. The prediction from the one calibration made at
 is reported beside it (notes, and a summary row without a target). An earlier per-case
 re-measurement, taken before the runs only, made the rows worse (mean 17% against 11%).
 
-Not yet here: configurations across testnet hosts (100 Mbit, 1 Gbit), which need the
-simulator to place shards and replicas as Ray places them on the hosts.
+The cases with a link rate run across two testnet hosts of this box joined at that rate
+(`simulate_testnet`: one replica and one shard a host, as the simulator places them on two
+machines; root needed, else they are left out with a note) and are simulated on two machines
+sharing this box's cores, over the link measured between two hosts at that rate.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from typing import Any
 
 import torch
 
-from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.sim.calibration import Calibration
+from scaleout.bench import Row, SuiteResult, register_suite, simulate_testnet
+from scaleout.sim.calibration import Calibration, LinkCost
 
 REPEATS = 3
 MEAN_TARGET, WORST_TARGET = 7.0, 20.0  # % absolute error of examples/s
@@ -51,10 +53,11 @@ class Case:
     name: str
     config: str  # under configs/
     overrides: tuple[str, ...] = ()
+    link: str | None = None  # two testnet hosts joined at this rate; None: this box alone
 
 
-def _downpour(name: str, *overrides: str) -> Case:
-    return Case(f"downpour {name}", "mnist_downpour.toml", overrides)
+def _downpour(name: str, *overrides: str, link: str | None = None) -> Case:
+    return Case(f"downpour {name}", "mnist_downpour.toml", overrides, link)
 
 
 def _sync(name: str, *overrides: str) -> Case:
@@ -62,11 +65,12 @@ def _sync(name: str, *overrides: str) -> Case:
 
 
 WARM = "downpour.warmstart_steps=100"
+CODEC = "compress.codec=dynamic8"
 SMALL = ("model.sizes=[784,256,10]", "model.dropout=[0.2,0.5]")
 CASES = [
     _downpour("1 replica, 1 shard", WARM, "downpour.num_replicas=1", "downpour.num_shards=1"),
     _downpour("2 replicas, 2 shards", WARM),
-    _downpour("2x2, 8-bit pushes", WARM, "compress.codec=dynamic8"),
+    _downpour("2x2, 8-bit pushes", WARM, CODEC),
     _downpour("2 replicas, 4 shards", WARM, "downpour.num_shards=4"),
     _downpour("2x2, n_fetch = n_push = 1", WARM, "downpour.n_fetch=1", "downpour.n_push=1"),
     _downpour("3 replicas, 2 shards", WARM, "downpour.num_replicas=3"),
@@ -84,6 +88,9 @@ CASES = [
         ("model_parallel.grid=[1,1]",),
     ),
     Case("model parallel, 1 x 2 grid", "autoencoder_model_parallel.toml"),
+    _downpour("2x2 on 2 testnet hosts, 1 Gbit", WARM, link="1gbit"),
+    _downpour("2x2 on 2 testnet hosts, 100 Mbit", WARM, link="100mbit"),
+    _downpour("2x2 on 2 testnet hosts, 100 Mbit, 8-bit pushes", WARM, CODEC, link="100mbit"),
 ]
 
 
@@ -92,14 +99,22 @@ def _configs_dir() -> Path:
 
 
 def _overrides(case: Case, root: Path) -> list[str]:
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", case.name)
+    name = _run_dir(case, root).name
     return [*SHORT, *case.overrides, f"run.name={name}", f"run.out_dir={root}"]
+
+
+def _run_dir(case: Case, root: Path) -> Path:
+    return root / re.sub(r"[^A-Za-z0-9_.-]+", "_", case.name)
 
 
 def _measured(case: Case, root: Path) -> float:
     """examples/s of one real run: its last metrics line's examples over its time."""
     from scaleout.api import fit
     from scaleout.metrics import read_metrics
+
+    if case.link is not None:
+        config, overrides = _configs_dir() / case.config, _overrides(case, root)
+        return simulate_testnet.measured(config, overrides, case.link, _run_dir(case, root))
 
     threads = torch.get_num_threads()
     try:
@@ -111,7 +126,11 @@ def _measured(case: Case, root: Path) -> float:
     return last["examples"] / last["time_s"]
 
 
-def _simulated(case: Case, root: Path, calibration: Path) -> dict[str, Any]:
+def _simulated(
+    case: Case, root: Path, calibration: Path, links: dict[str, LinkCost]
+) -> dict[str, Any]:
+    """The simulation of `case` priced by `calibration`: on this box alone (`--machines 1`),
+    or for a testnet case on two machines of this box over its measured link."""
     from scaleout.sim.simulate import Request, simulate
 
     request = Request(
@@ -120,6 +139,11 @@ def _simulated(case: Case, root: Path, calibration: Path) -> dict[str, Any]:
         calibration=calibration,
         overrides=_overrides(case, root),
     )
+    if case.link is not None:
+        out = root / f"{calibration.stem}_{case.link}.json"
+        request.calibration = simulate_testnet.with_link(calibration, links[case.link], out)
+        request.machines = [simulate_testnet.NUM_HOSTS]
+        request.link, request.one_box = "calibrated", True
     return simulate(request)[0]
 
 
@@ -164,8 +188,21 @@ def run() -> SuiteResult:
                 f"contended: {calibration.notes['contended']}; these rows are not ours to publish"
             )
         measuring = configs_per_model(list(configs.values()))
+        cases, links = list(CASES), {}
+        unavailable = simulate_testnet.available()
+        rates = sorted({case.link for case in CASES if case.link is not None})
+        if unavailable is None:
+            links = simulate_testnet.measure_links(rates)
+            notes.extend(
+                f"testnet link {rate}: measured {link.bytes_per_s * 8 / 1e6:,.0f} Mbit/s, "
+                f"{link.latency_s * 1e3:.2f} ms one way"
+                for rate, link in links.items()
+            )
+        else:
+            cases = [case for case in CASES if case.link is None]
+            notes.append(f"the cases on testnet hosts are left out here: {unavailable}")
         latest: tuple[str, Path] | None = None  # the model measured last, and its file
-        for index, case in enumerate(CASES):
+        for index, case in enumerate(cases):
             key = model_key(configs[case])
             if latest is not None and latest[0] == key:
                 before = latest[1]
@@ -176,9 +213,11 @@ def run() -> SuiteResult:
             latest = (key, after)
             median = statistics.median(measured)
             spread = (max(measured) - min(measured)) / median
-            around = [_simulated(case, root, path)["examples_per_s"] for path in (before, after)]
+            around = [
+                _simulated(case, root, path, links)["examples_per_s"] for path in (before, after)
+            ]
             predicted = statistics.mean(around)
-            at_start = _simulated(case, root, cal_path)["examples_per_s"]
+            at_start = _simulated(case, root, cal_path, links)["examples_per_s"]
             error = 100 * (predicted / median - 1)
             errors.append(abs(error))
             errors_at_start.append(abs(100 * (at_start / median - 1)))

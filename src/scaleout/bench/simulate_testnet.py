@@ -1,0 +1,87 @@
+"""The `simulate` suite's cases across two testnet hosts: real runs and their calibration.
+
+A case with a link rate runs on two `../shared/tools/testnet` hosts of this box joined by
+a link at that rate (`scaleout.bench.testnet`): a Ray node in each offering one CPU, the
+driver in host 0. Each replica needs a CPU, so each host runs one; the shards take none and
+Ray spreads them, mostly one a host. That is the simulator's placement on two machines (one
+replica a machine, shard i on machine i mod 2), with `one_box` (the hosts share this box's
+cores). The run's own placement, kept in its checkpoints, is checked: a run that put both
+shards on one host (Ray's spreading does, now and then; a node's custom resources must be
+whole numbers, so they cannot hold it to one shard) is run again, up to `ATTEMPTS` times.
+
+The link is measured once per rate between two hosts (`testnet.measure_link`) and set into
+the calibration the case is priced with (`--link calibrated`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from scaleout.bench import testnet
+from scaleout.bench.faults_host import last_meta
+from scaleout.sim.calibration import Calibration, LinkCost
+
+NUM_HOSTS = 2
+ATTEMPTS = 4
+TIMEOUT_S = 900  # one run at 100 Mbit: about a minute
+
+
+def available() -> str | None:
+    """None when the testnet cases can run here, else why not."""
+    return testnet.available()
+
+
+def measure_links(rates: list[str]) -> dict[str, LinkCost]:
+    """Each rate's link between two testnet hosts, as measured."""
+    links = {}
+    for rate in rates:
+        bytes_per_s, latency_s = testnet.measure_link(rate)
+        links[rate] = LinkCost(bytes_per_s=bytes_per_s, latency_s=latency_s)
+    return links
+
+
+def with_link(calibration: Path, link: LinkCost, out: Path) -> Path:
+    """The calibration at `calibration` with `link` as its measured link, saved at `out`."""
+    priced = Calibration.load(calibration)
+    priced.link = link
+    return priced.save(out)
+
+
+def measured(config: Path, overrides: list[str], rate: str, run_dir: Path) -> float:
+    """examples/s of one real run of `config` on two hosts at `rate` (its last metrics line's
+    examples over its time), placed as the simulation places it; raises when the run failed
+    or no attempt was placed so."""
+    from scaleout.metrics import read_metrics
+
+    for _ in range(ATTEMPTS):
+        placement, hosts = _run(config, overrides, rate, run_dir)
+        if all(sorted(placement[role]) == hosts for role in ("replicas", "shards")):
+            last = read_metrics(run_dir / "metrics.jsonl")[-1]
+            return last["examples"] / last["time_s"]
+    raise RuntimeError(
+        f"{ATTEMPTS} runs on testnet hosts, none with one replica and one shard on each of "
+        f"{hosts}: the last put its replicas on {placement['replicas']}, its shards on "
+        f"{placement['shards']}"
+    )
+
+
+def _run(
+    config: Path, overrides: list[str], rate: str, run_dir: Path
+) -> tuple[dict[str, list[str]], list[str]]:
+    """One run on fresh hosts: its placement (node addresses per role) and the hosts'."""
+    args = ["--overwrite"]
+    for override in overrides:
+        args += ["--set", override]
+    with testnet.testnet_cluster(num_cpus=[1] * NUM_HOSTS, rate=rate) as cluster:
+        run = cluster.train(0, config, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            _, err = run.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            _, err = run.communicate()
+        hosts = sorted(host.address for host in cluster.hosts)
+    if run.returncode != 0:
+        tail = err.decode(errors="replace")[-1500:]
+        raise RuntimeError(f"the run on testnet hosts at {rate} failed: {tail}")
+    return last_meta(run_dir)["placement"], hosts
