@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaleout.runtime import WORKER_NICENESS
+
 REPO = Path(__file__).resolve().parents[3]
 TESTNET = Path(os.environ.get("SCALEOUT_TESTNET", REPO.parent / "shared" / "tools" / "testnet"))
 BIN = Path(sys.executable).parent
@@ -178,7 +180,10 @@ def testnet_cluster(
                 args.append(f"--temp-dir={cluster.temp_dir}")  # short: Ray's socket paths
             else:
                 args.append(f"--address={cluster.address}")
-            cluster.tool("exec", str(host.index), *cluster.ray_env(), *args)
+            # workers at the driver's niceness, as an embedded session's (`scaleout.runtime`):
+            # at Ray's default of 15 the raylets and the shards preempt the replicas
+            niceness = f"RAY_worker_niceness={WORKER_NICENESS}"
+            cluster.tool("exec", str(host.index), *cluster.ray_env(), niceness, *args)
         yield cluster
     finally:
         cluster.tool("down")
