@@ -83,33 +83,13 @@ def check(rounds: int = ROUNDS) -> MachineCheck:
     )
 
 
-def _busy_and_total() -> tuple[int, int] | None:
-    """The machine's CPU time counters (all cores): busy ticks and all ticks; None where
-    there is no /proc/stat."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
 def wait_idle(max_s: float = 15.0, busy_cores: float = 0.15, window_s: float = 0.5) -> float:
     """Wait until the whole machine is idle (< `busy_cores` cores busy over `window_s`), at
     most `max_s`; the seconds waited. A run's processes (Ray's daemons, its workers) take
     seconds to exit after it returns, and a measurement taken meanwhile is slowed."""
-    import os
+    from scaleout.sim.measure_calls import measure_idle  # 0 busy cores without /proc/stat
 
-    cores = os.cpu_count() or 1
     started = time.monotonic()
-    while time.monotonic() - started < max_s:
-        first = _busy_and_total()
-        time.sleep(window_s)
-        second = _busy_and_total()
-        if first is None or second is None:
-            break
-        busy, total = second[0] - first[0], second[1] - first[1]
-        if total <= 0 or cores * busy / total < busy_cores:
-            break
+    while time.monotonic() - started < max_s and measure_idle(window_s) >= busy_cores:
+        pass
     return time.monotonic() - started
