@@ -115,7 +115,6 @@ def _run_dir(case: Case, root: Path) -> Path:
 def _measured(case: Case, root: Path) -> float:
     """examples/s of one real run: its last metrics line's examples over its time."""
     from scaleout.api import fit
-    from scaleout.metrics import read_metrics
 
     if case.link is not None:
         config, overrides = _configs_dir() / case.config, _overrides(case, root)
@@ -127,8 +126,7 @@ def _measured(case: Case, root: Path) -> float:
     finally:
         torch.set_num_threads(threads)
     assert result.run_dir is not None
-    last = read_metrics(result.run_dir / "metrics.jsonl")[-1]
-    return last["examples"] / last["time_s"]
+    return simulate_testnet.examples_per_s(result.run_dir)
 
 
 def _simulated(
@@ -159,13 +157,8 @@ def _remeasured(calibration: Calibration, config: Any, path: Path) -> Path:  # n
     from scaleout.sim.measuring import model_key
 
     wait_idle()  # the last run's processes exit
-    threads = torch.get_num_threads()
-    try:
-        cost = measure_model(config, os.cpu_count() or 1)
-    finally:
-        torch.set_num_threads(threads)
     fresh = calibration.model_copy(deep=True)
-    fresh.models[model_key(config)] = cost
+    fresh.models[model_key(config)] = measure_model(config, os.cpu_count() or 1)
     return fresh.save(path)
 
 
@@ -224,8 +217,9 @@ def run() -> SuiteResult:
             predicted = statistics.mean(around)
             at_start = _simulated(case, root, cal_path, links)["examples_per_s"]
             error = 100 * (predicted / median - 1)
+            error_at_start = 100 * (at_start / median - 1)
             errors.append(abs(error))
-            errors_at_start.append(abs(100 * (at_start / median - 1)))
+            errors_at_start.append(abs(error_at_start))
             details.append(
                 {
                     "case": case.name,
@@ -234,6 +228,7 @@ def run() -> SuiteResult:
                     "around": around,
                     "at_start": at_start,
                     "error": error,
+                    "error_at_start": error_at_start,
                 }
             )
             rows.append(
@@ -262,8 +257,7 @@ def run() -> SuiteResult:
         f"{d['case']}: measured {', '.join(f'{m:,.0f}' for m in d['measured'])} ex/s; "
         f"simulated {d['simulated']:,.0f} ({d['error']:+.1f}%) from compute measured "
         f"before / after the runs: {d['around'][0]:,.0f} / {d['around'][1]:,.0f}; "
-        f"from the calibration at the start: {d['at_start']:,.0f} "
-        f"({100 * (d['at_start'] / statistics.median(d['measured']) - 1):+.1f}%)"
+        f"from the calibration at the start: {d['at_start']:,.0f} ({d['error_at_start']:+.1f}%)"
         for d in details
     )
     return SuiteResult(rows, notes=notes, contended="contended" in calibration.notes)

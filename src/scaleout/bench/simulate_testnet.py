@@ -48,17 +48,23 @@ def with_link(calibration: Path, link: LinkCost, out: Path) -> Path:
     return priced.save(out)
 
 
+def examples_per_s(run_dir: Path) -> float:
+    """A finished run's examples/s (on testnet hosts or not): its last metrics line's
+    examples over its time."""
+    from scaleout.metrics import read_metrics
+
+    last = read_metrics(run_dir / "metrics.jsonl")[-1]
+    return last["examples"] / last["time_s"]
+
+
 def measured(config: Path, overrides: list[str], rate: str, run_dir: Path) -> float:
     """examples/s of one real run of `config` on two hosts at `rate` (its last metrics line's
     examples over its time), placed as the simulation places it; raises when the run failed
     or no attempt was placed so."""
-    from scaleout.metrics import read_metrics
-
     for _ in range(ATTEMPTS):
         placement, hosts = _run(config, overrides, rate, run_dir)
         if all(sorted(placement[role]) == hosts for role in ("replicas", "shards")):
-            last = read_metrics(run_dir / "metrics.jsonl")[-1]
-            return last["examples"] / last["time_s"]
+            return examples_per_s(run_dir)
     raise RuntimeError(
         f"{ATTEMPTS} runs on testnet hosts, none with one replica and one shard on each of "
         f"{hosts}: the last put its replicas on {placement['replicas']}, its shards on "
