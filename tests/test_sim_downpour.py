@@ -238,6 +238,33 @@ def test_one_replica_one_shard_closed_form():
     assert result.wire_bytes == 0  # one machine: nothing crosses a network
 
 
+def test_a_pull_after_a_push_waits_for_it_at_the_shard():
+    """Ray runs one caller's calls to an actor in the order they were made: a pull sent
+    right after a push to a shard across a slow link starts at the shard once the push's
+    payload has crossed and been applied; then its own slice crosses back."""
+    cfg = config(num_replicas=2, num_shards=1)
+    cal = calibration(cfg)
+    sim = DownpourSim(cfg, Setting(cal, machines=2, link=Link(1e6, 0.0)))
+    replica, shard = sim.replicas[1], sim.shards[0]
+    assert (replica.machine, shard.machine) == (1, 0)
+    nbytes = 4 * NUM_PARAMETERS
+    crossing = nbytes / 1e6  # 0.1 s each way, on 8 idle cores: nothing else takes time
+    (_, _), (push_callee, _) = cal.push.sides(nbytes)
+    (pull_caller, _), (pull_callee, _) = cal.pull.sides(nbytes)
+    update = push_callee + cal.apply_s("adagrad", NUM_PARAMETERS)
+    sim.env.process(sim._apply(replica, shard, 0))
+    pull = sim.env.process(sim._pull(replica, shard, replica.versions))
+    sim.env.run(until=pull)
+    assert sim.env.now == pytest.approx(crossing + update + pull_callee + crossing + pull_caller)
+    assert replica.versions[shard.index] == 1  # the pull saw the push applied
+
+    # a pull alone does not wait
+    sim = DownpourSim(cfg, Setting(cal, machines=2, link=Link(1e6, 0.0)))
+    pull = sim.env.process(sim._pull(sim.replicas[1], sim.shards[0], sim.replicas[1].versions))
+    sim.env.run(until=pull)
+    assert sim.env.now == pytest.approx(pull_callee + crossing + pull_caller)
+
+
 def test_threads_hide_communication_behind_compute():
     """Threads mode with cores to spare: the compute thread only waits for its two copies
     per three steps (the fetched parameters in, the gradient out) while fetches and pushes

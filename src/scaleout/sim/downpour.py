@@ -21,7 +21,9 @@ What runs, as the library runs it:
   shards to apply it. Every replica's threads start with the run and fetch once;
 - a shard (`ParameterShard`) is one actor: pulls and pushes queue and are served one at a
   time on its machine's cores (decode, optimizer step); it checkpoints every
-  `shard_checkpoint_every` updates.
+  `shard_checkpoint_every` updates. One replica's calls to a shard run in the order it made
+  them (Ray's order for one submitter): a fetch right after a push waits at the shard until
+  that push, its payload crossing the link first, is applied.
 
 Byte counts are the library's: the shard ranges (`shard_ranges`) and each push's payload
 size (`Wire` / `payload_size`). Costs are the calibration's: a pull's and a push's wall
@@ -114,6 +116,8 @@ class _Replica:
     # far (None once decided), and the window now running, as `ReplicaClient` measures them
     probe: list[tuple[float, float]] | None = None
     window: list[float] | None = None
+    # per shard, its last call from this replica: ends when the shard has served it
+    calls: dict[int, simpy.Event] = field(default_factory=dict)
 
 
 class DownpourSim:
@@ -209,6 +213,15 @@ class DownpourSim:
         yield self.env.timeout(seconds)
         queue.release(turn)
 
+    def _in_order(self, replica: _Replica, shard: _Shard) -> tuple[simpy.Event | None, simpy.Event]:
+        """Ray runs one submitter's calls to an actor in the order they were submitted: a
+        pull sent right after a push waits at the shard until that push (its payload still
+        crossing the link) is applied. Returns (the call before this one, this one's end);
+        taken as the call's process starts, which is in the order the calls were made."""
+        before = replica.calls.get(shard.index)
+        replica.calls[shard.index] = done = self.env.event()
+        return before, done
+
     def _call(self, machine: int, cost: MessageCost, nbytes: int, caller: bool) -> Process:
         """The caller's or the callee's side of one call (its share of the wall time and of
         the cores it keeps busy)."""
@@ -221,8 +234,12 @@ class DownpourSim:
         """One shard's slice to the replica; its version into `versions` (None: a look that
         the next push's staleness ignores)."""
         nbytes = self.pull_bytes[shard.index]
+        before, done = self._in_order(replica, shard)
+        if before is not None:
+            yield before
         # the shard puts its slice into the object store
         yield from self._serve(shard, self._call(shard.machine, self.cal.pull, nbytes, False))
+        done.succeed()
         if versions is not None:
             versions[shard.index] = shard.version
         yield from self.cluster.send(shard.machine, replica.machine, nbytes, kind)
@@ -231,8 +248,12 @@ class DownpourSim:
 
     def _apply(self, replica: _Replica, shard: _Shard, base_version: int) -> Process:
         nbytes = self.push_bytes[shard.index]
+        before, done = self._in_order(replica, shard)
         yield from self.cluster.send(replica.machine, shard.machine, nbytes, "push")
+        if before is not None:
+            yield before
         yield from self._serve(shard, self._update(shard, nbytes, base_version))
+        done.succeed()
 
     def _update(self, shard: _Shard, nbytes: int, base_version: int) -> Process:
         """The shard takes a push: the call's callee side, decode, the optimizer's step, and
