@@ -99,6 +99,13 @@ def test_a_call_keeps_more_than_a_core_busy():
     with pytest.raises(ValueError, match="idle_cores"):
         Cluster(1, cores=1, link=Link(1e9), idle_cores=1.0)
 
+    # a call keeping more cores busy than the machine has lasts as long as they take for
+    # its core-seconds (4 of them on 2 cores: 2 s, not its 1 s wall)
+    cluster = Cluster(1, cores=2, link=Link(1e9))
+    cluster.env.process(cluster.machines[0].call(1.0, 4.0))
+    cluster.run()
+    assert cluster.env.now == pytest.approx(2.0)
+
 
 def test_testnet_hosts_of_one_box_share_its_cores():
     """Two hosts of a 1-core box (`one_box`): a 1 s job on each takes 2 s; on two real
@@ -160,7 +167,14 @@ def test_parse_link():
 
 
 def config(
-    num_replicas=1, num_shards=1, steps=20, codec="fp32", n_fetch=1, n_push=1, threads=False
+    num_replicas=1,
+    num_shards=1,
+    steps=20,
+    codec="fp32",
+    n_fetch=1,
+    n_push=1,
+    threads=False,
+    backups=0,
 ):
     return config_from_dict(
         {
@@ -185,6 +199,7 @@ def config(
                 "warmstart_steps": 0,
                 "shard_checkpoint_every": 10_000,
                 "threads": threads,
+                "shard_backups": backups,
             },
             "compress": {"codec": codec},
         }
@@ -258,11 +273,46 @@ def test_a_pull_after_a_push_waits_for_it_at_the_shard():
     assert sim.env.now == pytest.approx(crossing + update + pull_callee + crossing + pull_caller)
     assert replica.versions[shard.index] == 1  # the pull saw the push applied
 
-    # a pull alone does not wait
+    # a pull alone does not wait; Ray's moving its slice between the nodes' stores runs
+    # beside the link's transfer and ends `pull_across` after it (measured beyond it)
+    for extra in (0.0, 0.03):
+        cal.pull_across = MessageCost(fixed_s=extra, bytes_per_s=1e12) if extra else None
+        sim = DownpourSim(cfg, Setting(cal, machines=2, link=Link(1e6, 0.0)))
+        alone = sim.replicas[1]
+        pull = sim.env.process(sim._pull(alone, sim.shards[0], alone.versions))
+        sim.env.run(until=pull)
+        assert sim.env.now == pytest.approx(pull_callee + crossing + extra + pull_caller)
+
+
+def test_a_backup_applies_every_push_before_it_is_answered():
+    """`shard_backups`: the primary forwards each push to its backup on another machine
+    (putting the payload into the object store, a caller's side), applies its own copy
+    meanwhile, and answers once the backup has applied it too. Backups are on by default
+    where the real run has them: another machine, or a core for every replica, shard and
+    backup on one."""
+    cfg = config(num_replicas=2, num_shards=1, backups=1)
+    cal = calibration(cfg)
     sim = DownpourSim(cfg, Setting(cal, machines=2, link=Link(1e6, 0.0)))
-    pull = sim.env.process(sim._pull(sim.replicas[1], sim.shards[0], sim.replicas[1].versions))
-    sim.env.run(until=pull)
-    assert sim.env.now == pytest.approx(pull_callee + crossing + pull_caller)
+    replica, shard = sim.replicas[1], sim.shards[0]
+    assert (replica.machine, shard.machine, shard.backup) == (1, 0, 1)
+    nbytes = 4 * NUM_PARAMETERS
+    crossing = nbytes / 1e6
+    (forward, _), (push_callee, _) = cal.push.sides(nbytes)
+    apply = cal.apply_s("adagrad", NUM_PARAMETERS)
+    sim.env.run(until=sim.env.process(sim._apply(replica, shard, 0)))
+    backup = crossing + push_callee + apply  # longer than the primary's own apply
+    assert sim.env.now == pytest.approx(crossing + push_callee + forward + backup)
+    assert sim.cluster.traffic.by_kind["backup"] == nbytes
+
+    def backup_of(machines, cores, backups=None, replicas=1):
+        cfg = config(num_replicas=replicas, backups=backups)
+        setting = Setting(calibration(cfg, cores=cores), machines=machines)
+        return DownpourSim(cfg, setting).shards[0].backup
+
+    assert backup_of(2, 2) == 1  # another machine
+    assert backup_of(1, 3) == 0  # 1 replica + 1 shard + 1 backup on 3 cores
+    assert backup_of(1, 2) is None and backup_of(1, 3, replicas=2) is None
+    assert backup_of(2, 2, backups=0) is None
 
 
 def test_threads_hide_communication_behind_compute():

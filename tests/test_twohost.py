@@ -105,3 +105,14 @@ def test_host_lost_whole_costs_one_replica_nothing(tmp_path):
         f"{lost['final_test_accuracy']:.4f} vs {reference['final_test_accuracy']:.4f} fault-free,"
         f" test loss {lost['metrics']['test_loss']:.6f} vs {reference['metrics']['test_loss']:.6f}"
     )
+
+
+def test_calls_across_hosts_are_measured_beyond_the_same_calls_on_one():
+    """`calibrate --testnet`: the link at its rate, and shard calls across it costing more
+    core-seconds than on one host (Ray moves each object between the nodes' stores)."""
+    network = testnet.measure_network("1gbit", apply_ns=1.0, sizes=[65_536, 1_048_576])
+    assert 0.8 * 125e6 < network["link"].bytes_per_s < 1.05 * 125e6
+    for kind in ("pull_across", "push_across"):
+        cost = network[kind]
+        assert cost.measured_bytes == [4 * 65_536, 4 * 1_048_576]
+        assert cost.cpu_s(4 * 1_048_576) > 1e-3, kind

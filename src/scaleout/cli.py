@@ -138,12 +138,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     configs = [load_config(path, list(args.set)) for path in args.configs or [DEMO_CONFIG]]
     calibration = calibrate(configs, say=lambda line: err.print(f"measuring {line}"))
     if args.testnet:
-        from scaleout.bench.testnet import measure_link
-        from scaleout.sim.calibration import LinkCost
+        from scaleout.bench.testnet import measure_network
+        from scaleout.sim.measure_calls import shard_message_sizes
 
-        err.print(f"measuring a link between two testnet hosts at {args.testnet}")
-        bytes_per_s, latency_s = measure_link(args.testnet)
-        calibration.link = LinkCost(bytes_per_s=bytes_per_s, latency_s=latency_s)
+        err.print(f"measuring a link and shard calls across two testnet hosts at {args.testnet}")
+        sizes = shard_message_sizes(configs, calibration.models)
+        network = measure_network(args.testnet, calibration.apply_ns["sgd"], sizes)
+        calibration = calibration.model_copy(update=network)
         calibration.notes["link"] = f"two ../shared/tools/testnet hosts at {args.testnet}"
     path = calibration.save(args.out)
     out.print(f"wrote {path}")

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from scaleout.bench import Row, SuiteResult, register_suite, simulate_testnet
-from scaleout.sim.calibration import Calibration, LinkCost
+from scaleout.sim.calibration import Calibration
 
 REPEATS = 3
 MEAN_TARGET, WORST_TARGET = 7.0, 20.0  # % absolute error of examples/s
@@ -89,12 +89,19 @@ CASES = [
         ("model_parallel.grid=[1,1]",),
     ),
     Case("model parallel, 1 x 2 grid", "autoencoder_model_parallel.toml"),
-    # On several nodes a shard keeps a backup by default, which every push also reaches; the
-    # simulation has no backups yet (with them a 1 Gbit run made 1,932 ex/s, without 2,727).
-    _downpour("2x2 on 2 testnet hosts, 1 Gbit", WARM, NO_BACKUP, link="1gbit"),
-    _downpour("2x2 on 2 testnet hosts, 100 Mbit", WARM, NO_BACKUP, link="100mbit"),
+    # On several nodes each shard keeps a backup on another node by default, which every
+    # push reaches too: the first case as a user runs it, the others without backups.
+    _downpour("2x2 on 2 testnet hosts, 1 Gbit", WARM, link="1gbit"),
+    _downpour("2x2 on 2 testnet hosts, 1 Gbit, no shard backups", WARM, NO_BACKUP, link="1gbit"),
     _downpour(
-        "2x2 on 2 testnet hosts, 100 Mbit, 8-bit pushes", WARM, NO_BACKUP, CODEC, link="100mbit"
+        "2x2 on 2 testnet hosts, 100 Mbit, no shard backups", WARM, NO_BACKUP, link="100mbit"
+    ),
+    _downpour(
+        "2x2 on 2 testnet hosts, 100 Mbit, 8-bit pushes, no shard backups",
+        WARM,
+        NO_BACKUP,
+        CODEC,
+        link="100mbit",
     ),
 ]
 
@@ -130,7 +137,7 @@ def _measured(case: Case, root: Path) -> float:
 
 
 def _simulated(
-    case: Case, root: Path, calibration: Path, links: dict[str, LinkCost]
+    case: Case, root: Path, calibration: Path, networks: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """The simulation of `case` priced by `calibration`: on this box alone (`--machines 1`),
     or for a testnet case on two machines of this box over its measured link."""
@@ -144,10 +151,25 @@ def _simulated(
     )
     if case.link is not None:
         out = root / f"{calibration.stem}_{case.link}.json"
-        request.calibration = simulate_testnet.with_link(calibration, links[case.link], out)
+        network = networks[case.link]
+        request.calibration = simulate_testnet.with_link(calibration, network, out)
         request.machines = [simulate_testnet.NUM_HOSTS]
         request.link, request.one_box = "calibrated", True
     return simulate(request)[0]
+
+
+def _network_note(rate: str, network: dict[str, Any]) -> str:
+    """What two testnet hosts at `rate` measured: the link, and the biggest shard call's
+    cost beyond itself across it."""
+    link, pull, push = network["link"], network["pull_across"], network["push_across"]
+    nbytes = pull.measured_bytes[-1]
+    return (
+        f"testnet link {rate}: measured {link.bytes_per_s * 8 / 1e6:,.0f} Mbit/s, "
+        f"{link.latency_s * 1e3:.2f} ms one way; a call of {nbytes / 1e6:.1f} MB across it "
+        f"beyond the same call on one host and the link's transfer: pull "
+        f"{pull.seconds(nbytes) * 1e3:.1f} ms, {pull.cpu_s(nbytes) * 1e3:.1f} core-ms; push "
+        f"{push.seconds(nbytes) * 1e3:.1f} ms, {push.cpu_s(nbytes) * 1e3:.1f} core-ms"
+    )
 
 
 def _remeasured(calibration: Calibration, config: Any, path: Path) -> Path:  # noqa: ANN401
@@ -166,6 +188,7 @@ def _remeasured(calibration: Calibration, config: Any, path: Path) -> Path:  # n
 def run() -> SuiteResult:
     from scaleout.api import load_config
     from scaleout.sim.calibrate import calibrate, configs_per_model
+    from scaleout.sim.measure_calls import shard_message_sizes
     from scaleout.sim.measuring import model_key
 
     notes: list[str] = []
@@ -186,16 +209,13 @@ def run() -> SuiteResult:
                 f"contended: {calibration.notes['contended']}; these rows are not ours to publish"
             )
         measuring = configs_per_model(list(configs.values()))
-        cases, links = list(CASES), {}
+        cases, networks = list(CASES), {}
         unavailable = simulate_testnet.available()
         rates = sorted({case.link for case in CASES if case.link is not None})
         if unavailable is None:
-            links = simulate_testnet.measure_links(rates)
-            notes.extend(
-                f"testnet link {rate}: measured {link.bytes_per_s * 8 / 1e6:,.0f} Mbit/s, "
-                f"{link.latency_s * 1e3:.2f} ms one way"
-                for rate, link in links.items()
-            )
+            sizes = shard_message_sizes(list(configs.values()), calibration.models)
+            networks = simulate_testnet.measure_links(rates, calibration.apply_ns["sgd"], sizes)
+            notes.extend(_network_note(rate, network) for rate, network in networks.items())
         else:
             cases = [case for case in CASES if case.link is None]
             notes.append(f"the cases on testnet hosts are left out here: {unavailable}")
@@ -212,10 +232,10 @@ def run() -> SuiteResult:
             median = statistics.median(measured)
             spread = (max(measured) - min(measured)) / median
             around = [
-                _simulated(case, root, path, links)["examples_per_s"] for path in (before, after)
+                _simulated(case, root, path, networks)["examples_per_s"] for path in (before, after)
             ]
             predicted = statistics.mean(around)
-            at_start = _simulated(case, root, cal_path, links)["examples_per_s"]
+            at_start = _simulated(case, root, cal_path, networks)["examples_per_s"]
             error = 100 * (predicted / median - 1)
             error_at_start = 100 * (at_start / median - 1)
             errors.append(abs(error))

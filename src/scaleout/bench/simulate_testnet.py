@@ -9,18 +9,21 @@ cores). The run's own placement, kept in its checkpoints, is checked: a run that
 shards on one host (Ray's spreading does, now and then; a node's custom resources must be
 whole numbers, so they cannot hold it to one shard) is run again, up to `ATTEMPTS` times.
 
-The link is measured once per rate between two hosts (`testnet.measure_link`) and set into
-the calibration the case is priced with (`--link calibrated`).
+Once per rate two hosts give the calibration its network (`testnet.measure_network`): the
+link, and what a shard call costs beyond itself when the shard is on the other host
+(`pull_across`, `push_across`, at the sizes the cases send); a case is priced with them
+(`--link calibrated`).
 """
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from scaleout.bench import testnet
 from scaleout.bench.faults_host import last_meta
-from scaleout.sim.calibration import Calibration, LinkCost
+from scaleout.sim.calibration import Calibration
 
 NUM_HOSTS = 2
 ATTEMPTS = 4
@@ -32,20 +35,16 @@ def available() -> str | None:
     return testnet.available()
 
 
-def measure_links(rates: list[str]) -> dict[str, LinkCost]:
-    """Each rate's link between two testnet hosts, as measured."""
-    links = {}
-    for rate in rates:
-        bytes_per_s, latency_s = testnet.measure_link(rate)
-        links[rate] = LinkCost(bytes_per_s=bytes_per_s, latency_s=latency_s)
-    return links
+def measure_links(rates: list[str], apply_ns: float, sizes: list[int]) -> dict[str, dict[str, Any]]:
+    """Per rate, what two testnet hosts joined at it give a calibration
+    (`testnet.measure_network`: the link, shard calls of `sizes` values across it)."""
+    return {rate: testnet.measure_network(rate, apply_ns, sizes) for rate in rates}
 
 
-def with_link(calibration: Path, link: LinkCost, out: Path) -> Path:
-    """The calibration at `calibration` with `link` as its measured link, saved at `out`."""
-    priced = Calibration.load(calibration)
-    priced.link = link
-    return priced.save(out)
+def with_link(calibration: Path, network: dict[str, Any], out: Path) -> Path:
+    """The calibration at `calibration` with a measured `network` (its link, calls across
+    it), saved at `out`."""
+    return Calibration.load(calibration).model_copy(update=network).save(out)
 
 
 def examples_per_s(run_dir: Path) -> float:

@@ -150,6 +150,39 @@ def measure_link(rate: str, port: int = 5599) -> tuple[float, float]:
         run_tool(prefix, "down")
 
 
+def measure_network(rate: str, apply_ns: float, sizes: Sequence[int]) -> dict[str, Any]:
+    """The `Calibration` fields two testnet hosts at `rate` give: the link (`link`), and
+    what a shard call of each of `sizes` values costs beyond itself across it
+    (`pull_across`, `push_across`; `apply_ns`: the shard's SGD update per value)."""
+    from scaleout.sim.calibration import LinkCost, MessageCost
+
+    bytes_per_s, latency_s = measure_link(rate)
+    across = measure_crossing(rate, apply_ns, bytes_per_s, sizes)
+    return {
+        "link": LinkCost(bytes_per_s=bytes_per_s, latency_s=latency_s),
+        "pull_across": MessageCost.model_validate(across["pull"]),
+        "push_across": MessageCost.model_validate(across["push"]),
+    }
+
+
+def measure_crossing(
+    rate: str, apply_ns: float, bytes_per_s: float, sizes: Sequence[int]
+) -> dict[str, Any]:
+    """What a shard call costs beyond itself with the shard on the other of two testnet
+    hosts at `rate` (`scaleout.sim.measure_crossing`, the caller in host 0; `bytes_per_s`:
+    the link as measured): {"pull": ..., "push": ...}, `MessageCost` fields each."""
+    from scaleout.sim.measure_crossing import FAR, NEAR
+
+    with testnet_cluster(num_cpus=[1, 1], resources=[{NEAR: 100}, {FAR: 100}], rate=rate) as c:
+        args = [sys.executable, "-m", "scaleout.sim.measure_crossing", c.address, str(apply_ns)]
+        args += [str(bytes_per_s), *(str(size) for size in sizes)]
+        probe = c.popen(0, args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = probe.communicate(timeout=900)
+    if probe.returncode != 0:
+        raise RuntimeError(f"measuring calls across testnet hosts failed: {err[-1500:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
 @contextmanager
 def testnet_cluster(
     num_cpus: Sequence[int],

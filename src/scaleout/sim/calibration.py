@@ -250,6 +250,12 @@ class Calibration(_Model):
     # cores that Ray's own processes (raylet, GCS, workers' heartbeats) keep busy when idle
     idle_cores: float = Field(default=0.0, ge=0)
     link: LinkCost | None = None  # testnet hosts, when they were given
+    # a pull's and a push's cost beyond `pull` / `push` with the shard on another machine
+    # (Ray moves the object between the nodes' stores): wall time beyond the link's transfer
+    # of the payload, and core-seconds; measured between two testnet hosts
+    # (`scaleout.sim.measure_crossing`); None: nothing beyond
+    pull_across: MessageCost | None = None
+    push_across: MessageCost | None = None
     notes: dict[str, Any] = {}
 
     # --- reading and writing -------------------------------------------------------------

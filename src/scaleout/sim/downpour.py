@@ -82,6 +82,7 @@ class _Shard:
     busy: float = 0.0
     version: int = 0
     updates: int = 0
+    backup: int | None = None  # the machine of its backup (`downpour.shard_backups`)
 
 
 @dataclass
@@ -158,6 +159,15 @@ class DownpourSim:
             _Shard(i, shard_machines[i], stop - start, simpy.Resource(env, capacity=1))
             for i, (start, stop) in enumerate(ranges)
         ]
+        grid = getattr(config, "model_parallel", None)
+        self.workers_per_replica = grid.num_workers if grid is not None else 1
+        num_machines = len(self.cluster.machines)
+        if self.opts.backups_per_shard(
+            self.workers_per_replica, setting.cores_per_machine * machines, machines
+        ):
+            for shard in self.shards:  # Ray picks another node: the next shard's, or machine
+                other = self.shards[(shard.index + 1) % len(self.shards)].machine
+                shard.backup = other if other != shard.machine else (other + 1) % num_machines
         self.replicas = [
             _Replica(r, r % machines, [0] * len(self.shards)) for r in range(simulated)
         ]
@@ -228,6 +238,32 @@ class DownpourSim:
         wall, cpu = cost.sides(nbytes)[0 if caller else 1]
         yield from self.cluster.machines[machine].call(wall, cpu)
 
+    def _cross(
+        self,
+        source: int,
+        dest: int,
+        nbytes: int,
+        kind: str,
+        cost: MessageCost | None,
+        to_shard: bool,
+    ) -> Process:
+        """`nbytes` of a call's object from machine `source` to `dest`: over the link and,
+        meanwhile, Ray's object managers moving it between the nodes' stores (`cost`:
+        `Calibration.pull_across` / `push_across`, wall time beyond the link's transfer
+        and core-seconds, priced on the receiving machine; nothing on one machine or
+        without a measurement). A shard's machine receives the represented replicas'
+        objects too, meanwhile."""
+        send = self.cluster.send(source, dest, nbytes, kind)
+        if source == dest or cost is None:
+            yield from send
+            return
+        machine = self.cluster.machines[dest]
+        wall = nbytes / machine.link.bandwidth + cost.seconds(nbytes)
+        cpu = cost.cpu_s(nbytes)
+        if to_shard and self.scale > 1:
+            self.env.process(machine.call((self.scale - 1) * wall, (self.scale - 1) * cpu))
+        yield self.env.all_of([self.env.process(send), self.env.process(machine.call(wall, cpu))])
+
     def _pull(
         self, replica: _Replica, shard: _Shard, versions: list[int] | None, kind: str = "pull"
     ) -> Process:
@@ -242,14 +278,16 @@ class DownpourSim:
         done.succeed()
         if versions is not None:
             versions[shard.index] = shard.version
-        yield from self.cluster.send(shard.machine, replica.machine, nbytes, kind)
+        across = self.cal.pull_across
+        yield from self._cross(shard.machine, replica.machine, nbytes, kind, across, False)
         # the Ray call and the copy into the parameters
         yield from self._call(replica.machine, self.cal.pull, nbytes, caller=True)
 
     def _apply(self, replica: _Replica, shard: _Shard, base_version: int) -> Process:
         nbytes = self.push_bytes[shard.index]
         before, done = self._in_order(replica, shard)
-        yield from self.cluster.send(replica.machine, shard.machine, nbytes, "push")
+        across = self.cal.push_across
+        yield from self._cross(replica.machine, shard.machine, nbytes, "push", across, True)
         if before is not None:
             yield before
         yield from self._serve(shard, self._update(shard, nbytes, base_version))
@@ -263,7 +301,13 @@ class DownpourSim:
             self.train.optimizer, shard.numel
         )
         yield from self._call(shard.machine, self.cal.push, nbytes, caller=False)
+        replicated = None
+        if shard.backup is not None:  # the payload to the backup, put into the object store
+            yield from self._call(shard.machine, self.cal.push, nbytes, caller=True)
+            replicated = self.env.process(self._replicate(shard, nbytes, seconds))
         yield from self.cluster.machines[shard.machine].work(seconds)
+        if replicated is not None:  # the push is answered once the backup has applied it
+            yield replicated
         self.staleness.append(round((shard.version - base_version) * self.scale))
         shard.version += 1
         shard.updates += 1
@@ -271,6 +315,19 @@ class DownpourSim:
         if every and shard.updates % every == 0:
             state = self._state_bytes(shard)
             yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
+
+    def _replicate(self, shard: _Shard, nbytes: int, seconds: float) -> Process:
+        """The backup's side of a push (`ParameterShard.replicate`): the payload crosses to
+        the backup's machine, which applies it as the primary does, meanwhile."""
+        assert shard.backup is not None
+        machine = self.cluster.machines[shard.backup]
+        across = self.cal.push_across
+        yield from self._cross(shard.machine, shard.backup, nbytes, "backup", across, True)
+        started = self.env.now
+        yield from self._call(shard.backup, self.cal.push, nbytes, caller=False)
+        yield from machine.work(seconds)
+        if self.scale > 1:  # it applies the represented replicas' pushes too, meanwhile
+            self.env.process(machine.work((self.scale - 1) * (self.env.now - started)))
 
     # --- a replica's steps -----------------------------------------------------------------
 
@@ -572,9 +629,8 @@ class DownpourSim:
 
     def run(self) -> Result:
         total = self.total_steps()
-        grid = getattr(self.config, "model_parallel", None)
         threads = self.opts.replica_threads(
-            grid.num_workers if grid is not None else 1,
+            self.workers_per_replica,
             self.config.run.num_threads,
             self.setting.cores_per_machine,
             self.setting.machines,

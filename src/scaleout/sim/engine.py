@@ -208,7 +208,9 @@ class Machine:
         """A call between processes that takes `seconds` on a quiet machine and keeps
         `cpu_seconds` of cores busy meanwhile (several threads and processes at once)."""
         if seconds > EPS:
-            yield from self.cores.run(seconds, cpu_seconds / seconds)
+            # more parallel than the machine's cores: as long as they take for its CPU
+            units = min(cpu_seconds / seconds, self.cores.capacity)
+            yield from self.cores.run(cpu_seconds / units if units > EPS else seconds, units)
         elif cpu_seconds > EPS:  # work that waits for nothing: as fast as one thread
             yield from self.cores.run(cpu_seconds, 1.0)
 

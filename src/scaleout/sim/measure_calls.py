@@ -129,17 +129,19 @@ def shard_message_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) ->
 
 
 def measure_shard_messages(
-    apply_ns: float, sizes: Sequence[int] = MESSAGE_SIZES
+    apply_ns: float, sizes: Sequence[int] = MESSAGE_SIZES, resource: str | None = None
 ) -> tuple[MessageCost, MessageCost, float]:
     """(pull, push, idle cores) through a real one-shard `ParameterServer` on this machine's
-    Ray. A push is timed to its acknowledgement; the shard's SGD update (`apply_ns` per
-    value, priced on its own) is taken out."""
+    Ray (on the node offering `resource`, when given). A push is timed to its
+    acknowledgement; the shard's SGD update (`apply_ns` per value, priced on its own) is
+    taken out."""
     from scaleout.ps import ParameterServer
     from scaleout.train.config import TrainSection
 
     pulls, pushes, nbytes, idles = [], [], [], []
     for size in sizes:
-        server = ParameterServer.create(torch.zeros(size), 1, TrainSection(optimizer="sgd"))
+        optimizer = TrainSection(optimizer="sgd")
+        server = ParameterServer.create(torch.zeros(size), 1, optimizer, resource=resource)
         try:
             out, grad = torch.empty(size), torch.randn(size)
             server.pull_into(out)

@@ -53,6 +53,16 @@ class DownpourSection(Section):
         spare_core = nodes > 1 or cpus >= self.num_replicas * (compute + 1)
         return "auto" if workers_per_replica == 1 and spare_core else False
 
+    def backups_per_shard(self, workers_per_replica: int, cpus: float, nodes: int) -> int:
+        """`shard_backups`, None resolved: 1 where the cluster has another node or one
+        node has a core for every replica, shard and backup (the caller checks that the
+        memory holds them too). The driver and the simulator both ask here."""
+        if self.shard_backups is not None:
+            return self.shard_backups
+        replicas = self.num_replicas * workers_per_replica
+        shards = self.num_shards * workers_per_replica
+        return int(nodes > 1 or cpus >= replicas + 2 * shards)
+
 
 def create(job: Job) -> Downpour:
     from scaleout.strategies.downpour.strategy import Downpour  # imports Ray when used

@@ -42,12 +42,10 @@ class Lanes:
         demo 0.84x the examples/s; one replica with 2 shards 0.85-0.90x, median of 3)."""
         opts = self.opts
         replicas, shards = opts.num_replicas * workers, opts.num_shards * workers
-        if opts.shard_backups is None:
-            cpus = ray.cluster_resources().get("CPU", 0.0)
-            spare = len(ray.nodes()) > 1 or cpus >= replicas + 2 * shards
-            self.backups = int(spare and fits(replicas + 2 * shards))
-        else:
-            self.backups = opts.shard_backups
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        self.backups = opts.backups_per_shard(workers, cpus, len(ray.nodes()))
+        if opts.shard_backups is None and self.backups:
+            self.backups = int(fits(replicas + 2 * shards))
         check_capacity(
             replicas + (1 + self.backups) * shards,
             f"downpour.num_replicas = {opts.num_replicas}, downpour.num_shards = "
