@@ -1,8 +1,6 @@
 """Raw or 8-bit per message: the plan against its closed form, the measured codec cost, and
 the parameter-server wire that follows the plan."""
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -84,22 +82,29 @@ def test_a_free_codec_always_encodes():
         assert plan(n, LinkSpeed(1e9, 0.0), FREE, quarter).encoded
 
 
-def test_measure_fits_call_and_value_costs():
-    """Known costs by sleeping: send 2 ms + 10 ns per value, receive 1 ms + 20 ns."""
+def test_measure_fits_call_and_value_costs(monkeypatch):
+    """Known costs on a clock the calls advance (sleeping oversleeps by whatever the box
+    does meanwhile): send 2 ms + 10 ns per value, receive 1 ms + 20 ns; `measure` fits
+    them exactly, whatever the repeats."""
+    import types
+
+    from scaleout.compress import transfer
+
+    now = [0.0]
+    monkeypatch.setattr(transfer, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     def send(x):
-        time.sleep(2e-3 + 1e-8 * x.numel())
+        now[0] += 2e-3 + 1e-8 * x.numel()
         return x.numel()
 
     def receive(numel):
-        time.sleep(1e-3 + 2e-8 * numel)
+        now[0] += 1e-3 + 2e-8 * numel
         return torch.zeros(1)
 
     speed = CodecSpeed.measure(send, receive, repeats=3)
-    # sleep oversleeps by a roughly constant amount: it lands in the call cost
-    assert 2e-3 <= speed.send_call_s < 3e-3 and 1e-3 <= speed.receive_call_s < 2e-3
-    assert speed.send_value_s == pytest.approx(1e-8, rel=0.25)
-    assert speed.receive_value_s == pytest.approx(2e-8, rel=0.25)
+    assert speed.send_call_s == pytest.approx(2e-3) and speed.send_value_s == pytest.approx(1e-8)
+    assert speed.receive_call_s == pytest.approx(1e-3)
+    assert speed.receive_value_s == pytest.approx(2e-8)
 
 
 def section(link, error_feedback=False):

@@ -23,19 +23,28 @@ What runs, as the library runs it:
   time on its machine's cores (decode, optimizer step); it checkpoints every
   `shard_checkpoint_every` updates. One replica's calls to a shard run in the order it made
   them (Ray's order for one submitter): a fetch right after a push waits at the shard until
-  that push, its payload crossing the link first, is applied.
+  that push, its payload crossing the link first, is applied;
+- with a backup (`downpour.shard_backups`; by default on several machines, or where one
+  has a core for every replica, shard and backup: `DownpourSection.backups_per_shard`) a
+  shard forwards each push to it (the payload into the object store, across to the
+  backup's machine), applies its own copy meanwhile, and answers once the backup has
+  applied it too.
 
 Byte counts are the library's: the shard ranges (`shard_ranges`) and each push's payload
 size (`Wire` / `payload_size`). Costs are the calibration's: a pull's and a push's wall
 time and the core-seconds it keeps busy (measured through a real shard, in all processes
 together; the caller's share runs on the replica's machine, the rest inside the shard's
-queue on the shard's); codec and optimizer costs per value; the model's step at its
-threads, slowed when several replicas compute on one machine as calibrated.
+queue on the shard's); across machines, what Ray's moving the object between the nodes'
+stores costs beyond the link (`pull_across` / `push_across`, measured between testnet
+hosts), on the receiving machine during the transfer; codec and optimizer costs per
+value; the model's step at its threads, slowed when several replicas compute on one
+machine as calibrated.
 
 Placement: `--machines 1` puts every replica and shard on one machine, as `scaleout train`
 does here. On N > 1 machines each machine runs one replica (`run.num_threads` threads),
 so there are N replicas, and shard i sits on machine i mod N (Ray spreads them), where it
-shares the cores and the link with that machine's replica.
+shares the cores and the link with that machine's replica; its backup on the next shard's
+machine (Ray picks another node), or the next machine when that is its own.
 
 Beyond `REPRESENTED` replicas (100 or 1000 machines) the run is simulated through
 `REPRESENTED` representative replicas, each standing for `weight = N / REPRESENTED` alike
