@@ -152,7 +152,7 @@ def _simulated(
     if case.link is not None:
         out = root / f"{calibration.stem}_{case.link}.json"
         network = networks[case.link]
-        request.calibration = simulate_testnet.with_link(calibration, network, out)
+        request.calibration = simulate_testnet.with_network(calibration, network, out)
         request.machines = [simulate_testnet.NUM_HOSTS]
         request.link, request.one_box = "calibrated", True
     return simulate(request)[0]
@@ -214,7 +214,7 @@ def run() -> SuiteResult:
         rates = sorted({case.link for case in CASES if case.link is not None})
         if unavailable is None:
             sizes = shard_message_sizes(list(configs.values()), calibration.models)
-            networks = simulate_testnet.measure_links(rates, calibration.apply_ns["sgd"], sizes)
+            networks = simulate_testnet.measure_networks(rates, calibration.apply_ns["sgd"], sizes)
             notes.extend(_network_note(rate, network) for rate, network in networks.items())
         else:
             cases = [case for case in CASES if case.link is None]

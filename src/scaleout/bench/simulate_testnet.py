@@ -35,13 +35,15 @@ def available() -> str | None:
     return testnet.available()
 
 
-def measure_links(rates: list[str], apply_ns: float, sizes: list[int]) -> dict[str, dict[str, Any]]:
+def measure_networks(
+    rates: list[str], apply_ns: float, sizes: list[int]
+) -> dict[str, dict[str, Any]]:
     """Per rate, what two testnet hosts joined at it give a calibration
     (`testnet.measure_network`: the link, shard calls of `sizes` values across it)."""
     return {rate: testnet.measure_network(rate, apply_ns, sizes) for rate in rates}
 
 
-def with_link(calibration: Path, network: dict[str, Any], out: Path) -> Path:
+def with_network(calibration: Path, network: dict[str, Any], out: Path) -> Path:
     """The calibration at `calibration` with a measured `network` (its link, calls across
     it), saved at `out`."""
     return Calibration.load(calibration).model_copy(update=network).save(out)
