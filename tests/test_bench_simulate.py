@@ -67,3 +67,85 @@ def test_a_testnet_run_placed_unlike_the_simulation_is_run_again(monkeypatch, tm
     monkeypatch.setattr(simulate_testnet, "_run", lambda *args: (together, hosts))
     with pytest.raises(RuntimeError, match="none with one replica and one shard"):
         simulate_testnet.measured(tmp_path, [], "1gbit", tmp_path)
+
+
+def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatch, tmp_path):
+    """Around a case's runs the suite measures again its model's compute and the calls and
+    codecs its strategy uses, and keeps the rest of the calibration."""
+    import contextlib
+    from pathlib import Path
+
+    import scaleout.runtime
+    from scaleout.sim import calibrate as cal_module
+    from scaleout.sim.calibration import Calibration, CodecCost, MessageCost
+    from scaleout.sim.measuring import model_key
+
+    start = Calibration.load(Path(__file__).resolve().parents[1] / "results" / "calibration.json")
+    fresh = {name: MessageCost(fixed_s=i + 1.0, bytes_per_s=1e6) for i, name in enumerate("abcde")}
+    measured: list[str] = []
+
+    def measure(name, value):
+        def fake(*args, **kwargs):
+            measured.append(name)
+            return value(*args, **kwargs)
+
+        return fake
+
+    def model(config, cores):
+        known = start.models.get(model_key(config), next(iter(start.models.values())))
+        return known.model_copy(update={"eval_s": 1.0})
+
+    codec = CodecCost(sizes=[1, 2], encode_ns=[7.0, 7.0], decode_ns=[7.0, 7.0])
+    fakes = {
+        "measure_model": model,
+        "measure_codecs": lambda names: {name: codec for name in names},
+        "measure_apply": lambda: {"sgd": 9.0},
+        "measure_allreduce": lambda sizes: fresh["a"],
+        "measure_average": lambda sizes: fresh["b"],
+        "measure_exchange": lambda: fresh["c"],
+        "measure_shard_messages": lambda apply_ns, sizes: (fresh["d"], fresh["e"], 0.5),
+    }
+    for name, fake in fakes.items():
+        monkeypatch.setattr(cal_module, name, measure(name, fake))
+    monkeypatch.setattr(scaleout.runtime, "session", lambda **_: contextlib.nullcontext())
+
+    def case(name):
+        found = next(c for c in CASES if c.name == name)
+        return load_config(_configs_dir() / found.config, _overrides(found, tmp_path))
+
+    downpour = cal_module.recalibrate(start, [case("downpour 2x2, 8-bit pushes")])
+    assert sorted(measured) == sorted(
+        ["measure_model", "measure_codecs", "measure_apply", "measure_shard_messages"]
+    )
+    assert (downpour.pull, downpour.push) == (fresh["d"], fresh["e"])
+    assert downpour.apply_ns == {"sgd": 9.0} and downpour.idle_cores == 0.5
+    assert downpour.codecs["dynamic8"] == codec
+    assert downpour.allreduce == start.allreduce and downpour.exchange == start.exchange
+    assert all(m.eval_s == 1.0 for k, m in downpour.models.items() if k.startswith("mnist"))
+
+    measured.clear()
+    sync = cal_module.recalibrate(start, [case("sync 2 workers, average mode")])
+    assert sorted(measured) == ["measure_allreduce", "measure_average", "measure_model"]
+    assert (sync.allreduce, sync.average) == (fresh["a"], fresh["b"])
+    assert (sync.pull, sync.codecs, sync.apply_ns) == (start.pull, start.codecs, start.apply_ns)
+
+    measured.clear()
+    grid = cal_module.recalibrate(start, [case("model parallel, 1 x 2 grid")])
+    assert sorted(measured) == ["measure_exchange", "measure_model"]
+    assert grid.exchange == fresh["c"] and grid.pull == start.pull
+    assert start.pull != fresh["d"] and start.allreduce != fresh["a"]  # the start's, untouched
+
+
+def test_cases_of_one_model_and_strategy_share_their_measurements(tmp_path):
+    from scaleout.bench.simulate import _measuring_key
+
+    keys = {
+        case.name: _measuring_key(
+            load_config(_configs_dir() / case.config, _overrides(case, tmp_path))
+        )
+        for case in CASES
+    }
+    assert keys["downpour 2 replicas, 2 shards"] == keys["downpour 2x2, n_fetch = n_push = 1"]
+    assert keys["downpour 2x2, 784-256-10 MLP"] != keys["downpour 2 replicas, 2 shards"]
+    assert keys["downpour 2x2, 784-256-10 MLP"] != keys["sync 2 workers, 784-256-10 MLP"]
+    assert keys["sync 1 worker"] == keys["sync 2 workers, average mode"]

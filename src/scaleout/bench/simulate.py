@@ -10,11 +10,14 @@ repeats (max - min over the median) is in its name, the summary rows give the me
 worst absolute error against the issue's targets (7% and 20%).
 
 This box's speed drifts by up to 35% within 10 minutes, more than the simulator's own
-errors, and the suite lasts over half an hour. So each case's model compute (the
-`measure_model` part of the calibration, nothing else) is measured again right before its
+errors, and the suite lasts over an hour; its calls between processes drift more than its
+compute (the 2x2 demo ran at 4,559 ex/s in one suite and at 6,166 on a later day). So what a
+case's runs lean on (`recalibrate`: its model's compute, and the calls and codecs its
+strategy uses; the rest of the calibration is kept) is measured again right before its
 repeats and right after them, and the case is predicted with each of the two; the row is
-the mean of the two predictions. The prediction from the one calibration made at the start
-is reported beside it (notes, and a summary row without a target). An earlier per-case
+the mean of the two predictions. Consecutive cases of one model and strategy share the
+measurement between them. The prediction from the one calibration made at the start is
+reported beside it (notes, and a summary row without a target). An earlier per-case
 re-measurement, taken before the runs only, made the rows worse (mean 17% against 11%).
 
 The cases with a link rate run across two testnet hosts of this box joined at that rate
@@ -25,7 +28,6 @@ sharing this box's cores, over the link measured between two hosts at that rate.
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
 import tempfile
@@ -172,24 +174,29 @@ def _network_note(rate: str, network: dict[str, Any]) -> str:
     )
 
 
-def _remeasured(calibration: Calibration, config: Any, path: Path) -> Path:  # noqa: ANN401
-    """`calibration` with `config`'s model compute measured again now, saved at `path`."""
+def _remeasured(calibration: Calibration, configs: list[Any], path: Path) -> Path:
+    """`calibration` with the compute, calls and codecs `configs` use (cases of one model
+    and strategy) measured again now, saved at `path`."""
     from scaleout.bench.quiet import wait_idle
-    from scaleout.sim.measure_compute import measure_model
-    from scaleout.sim.measuring import model_key
+    from scaleout.sim.calibrate import recalibrate
 
     wait_idle()  # the last run's processes exit
-    fresh = calibration.model_copy(deep=True)
-    fresh.models[model_key(config)] = measure_model(config, os.cpu_count() or 1)
-    return fresh.save(path)
+    return recalibrate(calibration, configs).save(path)
+
+
+def _measuring_key(config: Any) -> tuple[str, str]:  # noqa: ANN401 - a RunConfig
+    """Cases with the same key are priced by the same re-measurements: one model, one
+    strategy (the calls it makes)."""
+    from scaleout.sim.measuring import model_key
+
+    return model_key(config), config.train.strategy
 
 
 @register_suite("simulate", "the simulator against held-out real runs on this box")
 def run() -> SuiteResult:
     from scaleout.api import load_config
-    from scaleout.sim.calibrate import calibrate, configs_per_model
+    from scaleout.sim.calibrate import calibrate
     from scaleout.sim.measure_calls import shard_message_sizes
-    from scaleout.sim.measuring import model_key
 
     notes: list[str] = []
     rows: list[Row] = []
@@ -208,7 +215,9 @@ def run() -> SuiteResult:
             notes.append(
                 f"contended: {calibration.notes['contended']}; these rows are not ours to publish"
             )
-        measuring = configs_per_model(list(configs.values()))
+        measuring: dict[tuple[str, str], list[Any]] = {}
+        for config in configs.values():
+            measuring.setdefault(_measuring_key(config), []).append(config)
         cases, networks = list(CASES), {}
         unavailable = simulate_testnet.available()
         rates = sorted({case.link for case in CASES if case.link is not None})
@@ -219,9 +228,9 @@ def run() -> SuiteResult:
         else:
             cases = [case for case in CASES if case.link is None]
             notes.append(f"the cases on testnet hosts are left out here: {unavailable}")
-        latest: tuple[str, Path] | None = None  # the model measured last, and its file
+        latest: tuple[tuple[str, str], Path] | None = None  # the key measured last, its file
         for index, case in enumerate(cases):
-            key = model_key(configs[case])
+            key = _measuring_key(configs[case])
             if latest is not None and latest[0] == key:
                 before = latest[1]
             else:

@@ -76,12 +76,15 @@ def measure_apply(numel: int = 1_000_000) -> dict[str, float]:
     return out
 
 
-def measure_codecs(sizes: Sequence[int] = CODEC_SIZES) -> dict[str, CodecCost]:
+def measure_codecs(
+    sizes: Sequence[int] = CODEC_SIZES, names: Sequence[str] | None = None
+) -> dict[str, CodecCost]:
+    """Encode and decode ns per value by size, of `names` (None: every codec but fp32)."""
     from scaleout.compress import get
     from scaleout.compress.registry import CODEC_NAMES
 
     out = {}
-    for name in CODEC_NAMES:
+    for name in CODEC_NAMES if names is None else names:
         if name == "fp32":
             continue
         codec = get(name)
@@ -146,6 +149,49 @@ def configs_per_model(configs: Sequence[Any]) -> dict[str, Any]:  # noqa: ANN401
         if key not in chosen or config.train.strategy == "sync":
             chosen[key] = config
     return chosen
+
+
+def recalibrate(
+    calibration: Calibration,
+    configs: Sequence[Any],  # noqa: ANN401 - RunConfigs
+) -> Calibration:
+    """`calibration` with what `configs`' runs lean on measured again now: their models'
+    compute, and the calls and codecs their strategies use (a shard's pulls, pushes and
+    updates for Downpour and Sandblaster; the all-reduce and the weight averaging for sync;
+    the exchange for model parallel). The rest (collectives after compute, checkpoints) is
+    kept. For a machine whose speed drifts between a calibration and a run: this one's
+    does, the calls more than the compute (a pull's fixed cost measured at 2.1 ms one time
+    and 3.8 ms minutes later; 4.7 ms in a calibration of the same morning), so the held-out
+    runs of `scaleout bench simulate` are priced by costs measured around each of them."""
+    from scaleout.runtime import session
+
+    fresh = calibration.model_copy(deep=True)
+    cores = os.cpu_count() or 1
+    for key, config in configs_per_model(configs).items():
+        fresh.models[key] = measure_model(config, cores)
+    strategies = {config.train.strategy for config in configs}
+    codecs = sorted({config.compress.codec for config in configs} - {"fp32"})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `calibrate` measures them: a shard's and a codec's thread
+    try:
+        if codecs:
+            fresh.codecs.update(measure_codecs(names=codecs))
+        if strategies & {"downpour", "sandblaster"}:
+            fresh.apply_ns = measure_apply()
+    finally:
+        torch.set_num_threads(threads)
+    if "sync" in strategies:
+        fresh.allreduce = measure_allreduce(allreduce_sizes(configs, fresh.models))
+        fresh.average = measure_average(average_sizes(configs, fresh.models))
+    if "model_parallel" in strategies:
+        fresh.exchange = measure_exchange()
+    if strategies & {"downpour", "sandblaster"}:
+        with session(num_cpus=cores):
+            sizes = shard_message_sizes(configs, fresh.models)
+            fresh.pull, fresh.push, fresh.idle_cores = measure_shard_messages(
+                fresh.apply_ns["sgd"], sizes
+            )
+    return fresh
 
 
 def calibrate(
