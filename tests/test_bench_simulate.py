@@ -1,5 +1,7 @@
 """The `simulate` suite's held-out cases stay valid configs the simulator can run."""
 
+import pytest
+
 from scaleout.api import load_config
 from scaleout.bench import available_suites
 from scaleout.bench.simulate import CASES, _configs_dir, _overrides
@@ -149,3 +151,17 @@ def test_cases_of_one_model_and_strategy_share_their_measurements(tmp_path):
     assert keys["downpour 2x2, 784-256-10 MLP"] != keys["downpour 2 replicas, 2 shards"]
     assert keys["downpour 2x2, 784-256-10 MLP"] != keys["sync 2 workers, 784-256-10 MLP"]
     assert keys["sync 1 worker"] == keys["sync 2 workers, average mode"]
+
+
+def test_a_case_row_is_the_mean_prediction_against_the_measured_median():
+    from scaleout.bench.simulate import _Outcome, _summary
+
+    case = CASES[0]
+    hit = _Outcome(case, measured=[90.0, 100.0, 120.0], around=[105.0, 115.0], at_start=95.0)
+    assert hit.simulated == 110.0 and abs(hit.error() - 10.0) < 1e-9
+    assert abs(hit.error(hit.at_start) + 5.0) < 1e-9
+    assert hit.row().value == hit.error() and "(spread 30%)" in hit.row().name
+    miss = _Outcome(case, measured=[200.0] * 3, around=[150.0, 150.0], at_start=200.0)
+    mean, worst, at_start = _summary([hit, miss])
+    assert [mean.value, worst.value, at_start.value] == pytest.approx([17.5, 25.0, 2.5])
+    assert (mean.meets, worst.meets) == (False, False)

@@ -192,6 +192,61 @@ def _measuring_key(config: Any) -> tuple[str, str]:  # noqa: ANN401 - a RunConfi
     return model_key(config), config.train.strategy
 
 
+@dataclass
+class _Outcome:
+    """One case's real runs beside its simulations."""
+
+    case: Case
+    measured: list[float]  # examples/s of each run
+    around: list[float]  # simulated, priced by the costs measured before / after the runs
+    at_start: float  # simulated, priced by the calibration made at the start
+
+    @property
+    def simulated(self) -> float:
+        return statistics.mean(self.around)
+
+    def error(self, simulated: float | None = None) -> float:
+        """% of the measured median (the prediction's, or `simulated`'s)."""
+        predicted = self.simulated if simulated is None else simulated
+        return 100 * (predicted / statistics.median(self.measured) - 1)
+
+    def row(self) -> Row:
+        median = statistics.median(self.measured)
+        spread = (max(self.measured) - min(self.measured)) / median
+        return Row(
+            f"{self.case.name}: {self.simulated:,.0f} simulated vs {median:,.0f} ex/s "
+            f"(spread {100 * spread:.0f}%), error {self.error():+.1f}%",
+            abs(self.error()),
+            "% error",
+            "lower",
+            target=WORST_TARGET,
+        )
+
+    def note(self) -> str:
+        return (
+            f"{self.case.name}: measured {', '.join(f'{m:,.0f}' for m in self.measured)} ex/s; "
+            f"simulated {self.simulated:,.0f} ({self.error():+.1f}%) from costs measured "
+            f"before / after the runs: {self.around[0]:,.0f} / {self.around[1]:,.0f}; from "
+            f"the calibration at the start: {self.at_start:,.0f} "
+            f"({self.error(self.at_start):+.1f}%)"
+        )
+
+
+def _summary(outcomes: list[_Outcome]) -> list[Row]:
+    errors = [abs(o.error()) for o in outcomes]
+    at_start = [abs(o.error(o.at_start)) for o in outcomes]
+    return [
+        Row("mean absolute error", statistics.mean(errors), "%", "lower", target=MEAN_TARGET),
+        Row("worst absolute error", max(errors), "%", "lower", target=WORST_TARGET),
+        Row(
+            "mean absolute error, all cases priced by the calibration made at the start",
+            statistics.mean(at_start),
+            "%",
+            "lower",
+        ),
+    ]
+
+
 @register_suite("simulate", "the simulator against held-out real runs on this box")
 def run() -> SuiteResult:
     from scaleout.api import load_config
@@ -199,10 +254,7 @@ def run() -> SuiteResult:
     from scaleout.sim.measure_calls import shard_message_sizes
 
     notes: list[str] = []
-    rows: list[Row] = []
-    errors: list[float] = []
-    errors_at_start: list[float] = []
-    details: list[dict[str, Any]] = []
+    outcomes: list[_Outcome] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         configs = {
@@ -238,55 +290,11 @@ def run() -> SuiteResult:
             measured = [_measured(case, root) for _ in range(REPEATS)]
             after = _remeasured(calibration, measuring[key], root / f"{index}_after.json")
             latest = (key, after)
-            median = statistics.median(measured)
-            spread = (max(measured) - min(measured)) / median
             around = [
                 _simulated(case, root, path, networks)["examples_per_s"] for path in (before, after)
             ]
-            predicted = statistics.mean(around)
             at_start = _simulated(case, root, cal_path, networks)["examples_per_s"]
-            error = 100 * (predicted / median - 1)
-            error_at_start = 100 * (at_start / median - 1)
-            errors.append(abs(error))
-            errors_at_start.append(abs(error_at_start))
-            details.append(
-                {
-                    "case": case.name,
-                    "measured": measured,
-                    "simulated": predicted,
-                    "around": around,
-                    "at_start": at_start,
-                    "error": error,
-                    "error_at_start": error_at_start,
-                }
-            )
-            rows.append(
-                Row(
-                    f"{case.name}: {predicted:,.0f} simulated vs {median:,.0f} ex/s "
-                    f"(spread {100 * spread:.0f}%), error {error:+.1f}%",
-                    abs(error),
-                    "% error",
-                    "lower",
-                    target=WORST_TARGET,
-                )
-            )
-    rows.append(
-        Row("mean absolute error", statistics.mean(errors), "%", "lower", target=MEAN_TARGET)
-    )
-    rows.append(Row("worst absolute error", max(errors), "%", "lower", target=WORST_TARGET))
-    rows.append(
-        Row(
-            "mean absolute error, all cases priced by the calibration made at the start",
-            statistics.mean(errors_at_start),
-            "%",
-            "lower",
-        )
-    )
-    notes.extend(
-        f"{d['case']}: measured {', '.join(f'{m:,.0f}' for m in d['measured'])} ex/s; "
-        f"simulated {d['simulated']:,.0f} ({d['error']:+.1f}%) from compute measured "
-        f"before / after the runs: {d['around'][0]:,.0f} / {d['around'][1]:,.0f}; "
-        f"from the calibration at the start: {d['at_start']:,.0f} ({d['error_at_start']:+.1f}%)"
-        for d in details
-    )
+            outcomes.append(_Outcome(case, measured, around, at_start))
+    rows = [outcome.row() for outcome in outcomes] + _summary(outcomes)
+    notes.extend(outcome.note() for outcome in outcomes)
     return SuiteResult(rows, notes=notes, contended="contended" in calibration.notes)
