@@ -75,6 +75,28 @@ def test_threads_share_cores_and_a_transfer_pays_both_ends():
     assert cluster.traffic.wire_bytes == 500_000
 
 
+def test_a_transfer_alone_is_one_flow_where_the_machines_count_several():
+    """A machine whose transfers stand for 4 (represented replicas) takes 4x as long per
+    transfer; one marked `alone` (a backup's forward, made one after another) takes its own
+    time."""
+    cluster = Cluster(2, cores=1, link=Link(bandwidth=1e6))
+    cluster.machines[0].flows = 4
+    env = cluster.env
+    ends = {}
+
+    def send(alone):
+        yield from cluster.send(0, 1, 500_000, alone=alone)
+        ends[alone] = env.now
+
+    env.process(send(False))
+    env.run()
+    env.process(send(True))
+    began = env.now
+    env.run()
+    assert ends[False] == pytest.approx(4 * 0.5)
+    assert ends[True] - began == pytest.approx(0.5)
+
+
 def test_a_call_keeps_more_than_a_core_busy():
     """A call of 1 s wall that keeps 1.5 cores busy, beside a 1-thread compute of 1 s, on a
     machine with 2 cores less 0.5 idle: demand 2.5 on 1.5 cores, so both run at 0.6 of
@@ -397,16 +419,29 @@ def test_replicas_on_machines_cross_the_link():
     assert 0 < result.utilisation["network link"] <= 1.0
 
 
+BACKUPS_GAP = "with backups the representatives' forwards meet their transfers in bursts"
+
+
 @pytest.mark.parametrize(
-    ("step_s", "bandwidth", "bottleneck"),
+    ("step_s", "bandwidth", "bottleneck", "backups"),
     [
-        (0.010, 125e6, "shard queue"),
-        (0.050, 12.5e6, "network link"),
-        (0.2, 125e6, "replica compute"),
+        (0.010, 125e6, "shard queue", 0),
+        (0.050, 12.5e6, "network link", 0),
+        (0.2, 125e6, "replica compute", 0),
+        pytest.param(
+            0.010, 125e6, "shard queue", 1, marks=pytest.mark.xfail(strict=True, reason=BACKUPS_GAP)
+        ),
+        pytest.param(
+            0.050,
+            12.5e6,
+            "shard queue",
+            1,
+            marks=pytest.mark.xfail(strict=True, reason=BACKUPS_GAP),
+        ),
     ],
 )
 def test_represented_replicas_match_simulating_every_one(
-    monkeypatch, step_s, bandwidth, bottleneck
+    monkeypatch, step_s, bandwidth, bottleneck, backups
 ):
     """128 machines simulated through 16 representatives (each standing for 8) against all
     128, the shards on machines of their own in both: the same throughput, bottleneck and
@@ -414,7 +449,7 @@ def test_represented_replicas_match_simulating_every_one(
     replica 0's chunk, which a representative's coarser steps move.)"""
     import scaleout.sim.downpour as downpour
 
-    cfg = config(num_shards=4, n_fetch=3, n_push=3)
+    cfg = config(num_shards=4, n_fetch=3, n_push=3, backups=backups)
     cfg.train.eval_every = cfg.train.checkpoint_every = 100_000
     cal = calibration(cfg, step_s=step_s)
     setting = Setting(cal, machines=128, link=Link(bandwidth, 50e-6), steps=128 * 60)

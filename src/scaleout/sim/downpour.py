@@ -255,14 +255,15 @@ class DownpourSim:
         kind: str,
         cost: MessageCost | None,
         to_shard: bool,
+        alone: bool = False,
     ) -> Process:
         """`nbytes` of a call's object from machine `source` to `dest`: over the link and,
         meanwhile, Ray's object managers moving it between the nodes' stores (`cost`:
         `Calibration.pull_across` / `push_across`, wall time beyond the link's transfer
         and core-seconds, priced on the receiving machine; nothing on one machine or
         without a measurement). A shard's machine receives the represented replicas'
-        objects too, meanwhile."""
-        send = self.cluster.send(source, dest, nbytes, kind)
+        objects too, meanwhile. `alone`: one flow on the links (`Cluster.send`)."""
+        send = self.cluster.send(source, dest, nbytes, kind, alone)
         if source == dest or cost is None:
             yield from send
             return
@@ -329,14 +330,21 @@ class DownpourSim:
         """The backup's side of a push (`ParameterShard.replicate`): the payload crosses to
         the backup's machine, which applies it as the primary does, meanwhile."""
         assert shard.backup is not None
-        machine = self.cluster.machines[shard.backup]
         across = self.cal.push_across
-        yield from self._cross(shard.machine, shard.backup, nbytes, "backup", across, True)
-        started = self.env.now
-        yield from self._call(shard.backup, self.cal.push, nbytes, caller=False)
-        yield from machine.work(seconds)
+        # one flow: the primary's actor forwards the represented replicas' pushes one after
+        # another, each while it holds its queue (`_release`), not all at once
+        yield from self._cross(shard.machine, shard.backup, nbytes, "backup", across, True, True)
         if self.scale > 1:  # it applies the represented replicas' pushes too, meanwhile
-            self.env.process(machine.work((self.scale - 1) * (self.env.now - started)))
+            self.env.process(self._backup_side(shard.backup, nbytes, seconds, self.scale - 1))
+        yield from self._backup_side(shard.backup, nbytes, seconds, 1.0)
+
+    def _backup_side(self, machine: int, nbytes: int, seconds: float, times: float) -> Process:
+        """`times` pushes taken and applied by a backup on `machine`: priced by what they
+        cost, not by how long the one simulated took (on a busy machine that would count
+        its wait for the cores as more work)."""
+        (_, _), (wall, cpu) = self.cal.push.sides(nbytes)
+        yield from self.cluster.machines[machine].call(times * wall, times * cpu)
+        yield from self.cluster.machines[machine].work(times * seconds)
 
     # --- a replica's steps -----------------------------------------------------------------
 

@@ -242,10 +242,14 @@ class Cluster:
         ]
         self.traffic = Traffic()
 
-    def send(self, source: int, dest: int, nbytes: int, kind: str = "message") -> Process:
+    def send(
+        self, source: int, dest: int, nbytes: int, kind: str = "message", alone: bool = False
+    ) -> Process:
         """Move `nbytes` from a process on machine `source` to one on `dest` over the
         network. Between two processes of one machine only the count changes: the callers
-        price those copies from the calibration (they are work on the cores)."""
+        price those copies from the calibration (they are work on the cores). `alone`: one
+        flow, even where the machines' transfers count as several (`Machine.flows`: a
+        transfer that stands for others made one after another, not at once)."""
         remote = source != dest
         self.traffic.add(kind, nbytes, remote)
         if not remote:
@@ -255,8 +259,10 @@ class Cluster:
         if sender.link.latency > 0:
             yield env.timeout(sender.link.latency)
         both = [
-            sender.tx.start(nbytes / sender.link.bandwidth, copies=sender.flows),
-            receiver.rx.start(nbytes / receiver.link.bandwidth, copies=receiver.flows),
+            sender.tx.start(nbytes / sender.link.bandwidth, copies=1 if alone else sender.flows),
+            receiver.rx.start(
+                nbytes / receiver.link.bandwidth, copies=1 if alone else receiver.flows
+            ),
         ]
         yield env.all_of(both)
 
