@@ -170,13 +170,14 @@ def recalibrate(
     for key, config in configs_per_model(configs).items():
         fresh.models[key] = measure_model(config, cores)
     strategies = {config.train.strategy for config in configs}
+    shards = bool(strategies & {"downpour", "sandblaster"})  # a parameter server's calls
     codecs = sorted({config.compress.codec for config in configs} - {"fp32"})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as `calibrate` measures them: a shard's and a codec's thread
     try:
         if codecs:
             fresh.codecs.update(measure_codecs(names=codecs))
-        if strategies & {"downpour", "sandblaster"}:
+        if shards:
             fresh.apply_ns = measure_apply()
     finally:
         torch.set_num_threads(threads)
@@ -185,7 +186,7 @@ def recalibrate(
         fresh.average = measure_average(average_sizes(configs, fresh.models))
     if "model_parallel" in strategies:
         fresh.exchange = measure_exchange()
-    if strategies & {"downpour", "sandblaster"}:
+    if shards:
         with session(num_cpus=cores):
             sizes = shard_message_sizes(configs, fresh.models)
             fresh.pull, fresh.push, fresh.idle_cores = measure_shard_messages(

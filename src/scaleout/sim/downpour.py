@@ -241,11 +241,13 @@ class DownpourSim:
         replica.calls[shard.index] = done = self.env.event()
         return before, done
 
-    def _call(self, machine: int, cost: MessageCost, nbytes: int, caller: bool) -> Process:
+    def _call(
+        self, machine: int, cost: MessageCost, nbytes: int, caller: bool, times: float = 1.0
+    ) -> Process:
         """The caller's or the callee's side of one call (its share of the wall time and of
-        the cores it keeps busy)."""
+        the cores it keeps busy), or of `times` such calls one after another."""
         wall, cpu = cost.sides(nbytes)[0 if caller else 1]
-        yield from self.cluster.machines[machine].call(wall, cpu)
+        yield from self.cluster.machines[machine].call(times * wall, times * cpu)
 
     def _cross(
         self,
@@ -342,8 +344,7 @@ class DownpourSim:
         """`times` pushes taken and applied by a backup on `machine`: priced by what they
         cost, not by how long the one simulated took (on a busy machine that would count
         its wait for the cores as more work)."""
-        (_, _), (wall, cpu) = self.cal.push.sides(nbytes)
-        yield from self.cluster.machines[machine].call(times * wall, times * cpu)
+        yield from self._call(machine, self.cal.push, nbytes, caller=False, times=times)
         yield from self.cluster.machines[machine].work(times * seconds)
 
     # --- a replica's steps -----------------------------------------------------------------
