@@ -11,6 +11,7 @@ import time
 import pytest
 import ray
 import torch
+from ray.exceptions import ObjectReconstructionFailedError
 
 from scaleout.ps import ParameterServer
 from scaleout.train.config import TrainSection
@@ -64,6 +65,48 @@ def test_killed_primary_or_backup_loses_no_update(ray_session, victim):
         pushes(reference, range(30, 35))
         pushes(server, range(30, 35))
         assert torch.equal(server.values(), reference.values())
+    finally:
+        reference.kill()
+        server.kill()
+
+
+def lose_first_answer(monkeypatch) -> None:  # noqa: ANN001
+    """The next `ray.get` of one answer raises what Ray raises when the node holding that
+    answer in its object store was lost before the caller fetched it."""
+    real_get = ray.get
+
+    def get(refs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if isinstance(refs, ray.ObjectRef):
+            monkeypatch.setattr(ray, "get", real_get)
+            raise ObjectReconstructionFailedError(refs.hex())
+        return real_get(refs, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "get", get)
+
+
+@pytest.mark.parametrize("primary", ["alive", "dead"])
+def test_a_pull_answer_lost_with_its_node_is_asked_for_again(ray_session, monkeypatch, primary):
+    """A pull's answer (over Ray's 100 KB inline limit) waits in the shard's node's store
+    until fetched; a node lost in between raises ObjectLostError, not RayActorError. The
+    client asks again: a live primary answers (no failover: its backup promoted beside it
+    would make two primaries), a dead one is replaced by its backup. Either way the pull
+    returns the values a fault-free server holds, and no update is lost or applied twice."""
+    initial = torch.linspace(-1, 1, 1000)
+    reference = ParameterServer.create(initial, 2, ADAGRAD)
+    server = ParameterServer.create(initial, 2, ADAGRAD, backups=1)
+    try:
+        pushes(reference, range(6))
+        pushes(server, range(3))
+        if primary == "dead":
+            os.kill(pid_of(server.shards[0]), signal.SIGKILL)
+        lose_first_answer(monkeypatch)
+        out = torch.empty(server.numel)
+        server.pull_into(out)  # shard 0's answer is lost
+        assert server.failovers == (1 if primary == "dead" else 0)
+        pushes(server, range(3, 6))
+        assert torch.equal(server.values(), reference.values())
+        assert server.updates_lost == 0
+        assert [i["version"] for i in server.info()] == [6, 6]
     finally:
         reference.kill()
         server.kill()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
 from scaleout.compress import CompressSection
 from scaleout.nn.optim import OptimizerOptions
@@ -242,7 +242,14 @@ class ParameterServer:
     # --- failures ----------------------------------------------------------------------------
 
     def _each(self, call: Callable[[int], Any]) -> list[Any]:
-        """Call every shard in parallel; a call to a shard that died goes to its successor."""
+        """Call every shard in parallel; a call to a shard that died goes to its successor.
+
+        A shard's answer of more than Ray's inline limit (100 KB: a pull, `values()`) waits
+        in its node's object store until fetched; a node lost in between takes the answer
+        with it (`ObjectLostError`, not `RayActorError`). The call is made again: a shard
+        that died with its node answers `RayActorError` then and is replaced; one that lives
+        answers again. Each call made here (a pull, `values`, `info`, a checkpoint,
+        `initialize`) may be made twice."""
         called = list(self.shards)
         futures = [call(i) for i in range(len(self.shards))]
         results: list[Any] = [None] * len(self.shards)
@@ -254,6 +261,11 @@ class ParameterServer:
                     break
                 except RayActorError:
                     self._recover(i, called[i], deadline)
+                    called[i] = self.shards[i]
+                    futures[i] = call(i)
+                except ObjectLostError:
+                    if time.monotonic() > deadline:
+                        raise
                     called[i] = self.shards[i]
                     futures[i] = call(i)
                 except RayTaskError as error:  # a shard's own one-line error, not Ray's banner
