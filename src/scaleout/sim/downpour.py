@@ -62,16 +62,16 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import simpy
 
 from scaleout.compress.payload import payload_size
-from scaleout.nn.optim import STATE_BUFFERS
-from scaleout.ps.client import auto_threads
 from scaleout.ps.layout import shard_ranges
-from scaleout.sim.calibration import MessageCost
+from scaleout.sim.downpour_shards import ShardCalls
+from scaleout.sim.downpour_state import Replica, Shard
+from scaleout.sim.downpour_threads import ReplicaThreads
 from scaleout.sim.engine import Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
@@ -82,55 +82,7 @@ STEADY_STEPS_PER_REPLICA = 120  # simulated (6 chunks) when the run itself is lo
 REPRESENTED = 64  # replicas simulated at most; more are represented by these
 
 
-@dataclass
-class _Shard:
-    index: int
-    machine: int
-    numel: int
-    queue: simpy.Resource
-    busy: float = 0.0
-    version: int = 0
-    updates: int = 0
-    backup: int | None = None  # the machine of its backup (`downpour.shard_backups`)
-
-
-@dataclass
-class _Threads:
-    """A replica's fetch and push threads (`downpour.threads`)."""
-
-    outbox: simpy.Store  # the push thread's queue of two (the base versions of each push)
-    fresh: simpy.Event  # triggered while fetched parameters wait to be adopted
-    stopped: simpy.Event  # the push thread took the last item
-    wake: simpy.Event | None = None  # the fetch thread waits on it for `due`
-    due: bool = True  # a fetch was asked for
-    fresh_versions: list[int] | None = None
-    adopted: int = 0  # parameters adopted so far
-    steps_on_current: int = 0
-    steps_since_fetch: int = 0
-
-
-@dataclass
-class _Replica:
-    index: int
-    machine: int
-    versions: list[int]
-    steps: int = 0
-    compute_s: float = 0.0  # since the warm start: computing,
-    fetch_s: float = 0.0  # fetching (or adopting fetched parameters),
-    push_s: float = 0.0  # pushing (or handing a push over), in its compute thread
-    steady_steps: int = 0
-    pending: list[simpy.Event] = field(default_factory=list)
-    free: simpy.Event | None = None  # set when its current chunk ends
-    threads: _Threads | None = None
-    # `threads = "auto"`: (compute, communication) seconds of each push window measured so
-    # far (None once decided), and the window now running, as `ReplicaClient` measures them
-    probe: list[tuple[float, float]] | None = None
-    window: list[float] | None = None
-    # per shard, its last call from this replica: ends when the shard has served it
-    calls: dict[int, simpy.Event] = field(default_factory=dict)
-
-
-class DownpourSim:
+class DownpourSim(ShardCalls, ReplicaThreads):
     """One simulated Downpour run of `config` (a `RunConfig`) in `setting`."""
 
     def __init__(
@@ -165,7 +117,7 @@ class DownpourSim:
             machine.cores.slowdown = self.cost.slowdown
         env = self.env = self.cluster.env
         self.shards = [
-            _Shard(i, shard_machines[i], stop - start, simpy.Resource(env, capacity=1))
+            Shard(i, shard_machines[i], stop - start, simpy.Resource(env, capacity=1))
             for i, (start, stop) in enumerate(ranges)
         ]
         grid = getattr(config, "model_parallel", None)
@@ -177,9 +129,7 @@ class DownpourSim:
             for shard in self.shards:  # Ray picks another node: the next shard's, or machine
                 other = self.shards[(shard.index + 1) % len(self.shards)].machine
                 shard.backup = other if other != shard.machine else (other + 1) % num_machines
-        self.replicas = [
-            _Replica(r, r % machines, [0] * len(self.shards)) for r in range(simulated)
-        ]
+        self.replicas = [Replica(r, r % machines, [0] * len(self.shards)) for r in range(simulated)]
         self.scale = 1.0  # the run's steps per simulated step: `weight` after the warm start
         self.warm_counts: tuple[int, int, int, dict[str, int]] = (0, 0, 0, {})
         self.warm_calls = (0, 0)  # pushes, pulls by the end of the warm start
@@ -203,258 +153,7 @@ class DownpourSim:
         self.trained_s = 0.0  # when the last chunk was answered
         self.step_ends: list[float] = []  # when each step's compute ended, in order
 
-    def _state_bytes(self, shard: _Shard) -> int:
-        """What a shard's checkpoint writes: its values and its optimizer's state."""
-        return 4 * shard.numel * (1 + STATE_BUFFERS[self.train.optimizer])
-
-    # --- one shard call --------------------------------------------------------------------
-
-    def _serve(self, shard: _Shard, work: Process) -> Process:
-        """`work` in the shard's actor, after the calls queued before (one at a time)."""
-        turn = shard.queue.request()
-        yield turn
-        started = self.env.now
-        yield from work
-        own = self.env.now - started
-        shard.busy += own * self.scale
-        self._release(shard.queue, turn, own)
-
-    def _release(self, queue: simpy.Resource, turn: simpy.Event, own: float) -> None:
-        """Free a one-at-a-time actor after a call that took `own` seconds; with represented
-        replicas it serves theirs too: it stays busy `(weight - 1) * own` longer, while the
-        caller goes on."""
-        if self.scale > 1:
-            self.env.process(self._hold(queue, turn, (self.scale - 1) * own))
-        else:
-            queue.release(turn)
-
-    def _hold(self, queue: simpy.Resource, turn: simpy.Event, seconds: float) -> Process:
-        yield self.env.timeout(seconds)
-        queue.release(turn)
-
-    def _in_order(self, replica: _Replica, shard: _Shard) -> tuple[simpy.Event | None, simpy.Event]:
-        """Ray runs one submitter's calls to an actor in the order they were submitted: a
-        pull sent right after a push waits at the shard until that push (its payload still
-        crossing the link) is applied. Returns (the call before this one, this one's end);
-        taken as the call's process starts, which is in the order the calls were made."""
-        before = replica.calls.get(shard.index)
-        replica.calls[shard.index] = done = self.env.event()
-        return before, done
-
-    def _call(
-        self, machine: int, cost: MessageCost, nbytes: int, caller: bool, times: float = 1.0
-    ) -> Process:
-        """The caller's or the callee's side of one call (its share of the wall time and of
-        the cores it keeps busy), or of `times` such calls one after another."""
-        wall, cpu = cost.sides(nbytes)[0 if caller else 1]
-        yield from self.cluster.machines[machine].call(times * wall, times * cpu)
-
-    def _cross(
-        self,
-        source: int,
-        dest: int,
-        nbytes: int,
-        kind: str,
-        cost: MessageCost | None,
-        to_shard: bool,
-        alone: bool = False,
-    ) -> Process:
-        """`nbytes` of a call's object from machine `source` to `dest`: over the link and,
-        meanwhile, Ray's object managers moving it between the nodes' stores (`cost`:
-        `Calibration.pull_across` / `push_across`, wall time beyond the link's transfer
-        and core-seconds, priced on the receiving machine; nothing on one machine or
-        without a measurement). A shard's machine receives the represented replicas'
-        objects too, meanwhile. `alone`: one flow on the links (`Cluster.send`)."""
-        send = self.cluster.send(source, dest, nbytes, kind, alone)
-        if source == dest or cost is None:
-            yield from send
-            return
-        machine = self.cluster.machines[dest]
-        wall = nbytes / machine.link.bandwidth + cost.seconds(nbytes)
-        cpu = cost.cpu_s(nbytes)
-        if to_shard and self.scale > 1:
-            self.env.process(machine.call((self.scale - 1) * wall, (self.scale - 1) * cpu))
-        yield self.env.all_of([self.env.process(send), self.env.process(machine.call(wall, cpu))])
-
-    def _pull(
-        self, replica: _Replica, shard: _Shard, versions: list[int] | None, kind: str = "pull"
-    ) -> Process:
-        """One shard's slice to the replica; its version into `versions` (None: a look that
-        the next push's staleness ignores)."""
-        nbytes = self.pull_bytes[shard.index]
-        before, done = self._in_order(replica, shard)
-        if before is not None:
-            yield before
-        # the shard puts its slice into the object store
-        yield from self._serve(shard, self._call(shard.machine, self.cal.pull, nbytes, False))
-        done.succeed()
-        if versions is not None:
-            versions[shard.index] = shard.version
-        across = self.cal.pull_across
-        yield from self._cross(shard.machine, replica.machine, nbytes, kind, across, False)
-        # the Ray call and the copy into the parameters
-        yield from self._call(replica.machine, self.cal.pull, nbytes, caller=True)
-
-    def _apply(self, replica: _Replica, shard: _Shard, base_version: int) -> Process:
-        nbytes = self.push_bytes[shard.index]
-        before, done = self._in_order(replica, shard)
-        across = self.cal.push_across
-        yield from self._cross(replica.machine, shard.machine, nbytes, "push", across, True)
-        if before is not None:
-            yield before
-        yield from self._serve(shard, self._update(shard, nbytes, base_version))
-        done.succeed()
-
-    def _update(self, shard: _Shard, nbytes: int, base_version: int) -> Process:
-        """The shard takes a push: the call's callee side, decode, the optimizer's step, and
-        every `shard_checkpoint_every` updates a checkpoint."""
-        codec = self.push_codecs[shard.index]
-        seconds = self.cal.codec_s(codec, shard.numel, "decode") + self.cal.apply_s(
-            self.train.optimizer, shard.numel
-        )
-        yield from self._call(shard.machine, self.cal.push, nbytes, caller=False)
-        replicated = None
-        if shard.backup is not None:  # the payload to the backup, put into the object store
-            yield from self._call(shard.machine, self.cal.push, nbytes, caller=True)
-            replicated = self.env.process(self._replicate(shard, nbytes, seconds))
-        yield from self.cluster.machines[shard.machine].work(seconds)
-        if replicated is not None:  # the push is answered once the backup has applied it
-            yield replicated
-        self.staleness.append(round((shard.version - base_version) * self.scale))
-        shard.version += 1
-        shard.updates += 1
-        every = self.opts.shard_checkpoint_every
-        if every and shard.updates % every == 0:
-            state = self._state_bytes(shard)
-            yield self.env.timeout(state / self.cal.checkpoint_bytes_per_s)
-
-    def _replicate(self, shard: _Shard, nbytes: int, seconds: float) -> Process:
-        """The backup's side of a push (`ParameterShard.replicate`): the payload crosses to
-        the backup's machine, which applies it as the primary does, meanwhile."""
-        assert shard.backup is not None
-        across = self.cal.push_across
-        # one flow: the primary's actor forwards the represented replicas' pushes one after
-        # another, each while it holds its queue (`_release`), not all at once
-        yield from self._cross(shard.machine, shard.backup, nbytes, "backup", across, True, True)
-        if self.scale > 1:  # it applies the represented replicas' pushes too, meanwhile
-            self.env.process(self._backup_side(shard.backup, nbytes, seconds, self.scale - 1))
-        yield from self._backup_side(shard.backup, nbytes, seconds, 1.0)
-
-    def _backup_side(self, machine: int, nbytes: int, seconds: float, times: float) -> Process:
-        """`times` pushes taken and applied by a backup on `machine`: priced by what they
-        cost, not by how long the one simulated took (on a busy machine that would count
-        its wait for the cores as more work)."""
-        yield from self._call(machine, self.cal.push, nbytes, caller=False, times=times)
-        yield from self.cluster.machines[machine].work(times * seconds)
-
-    # --- a replica's steps -----------------------------------------------------------------
-
-    def _fetch(self, replica: _Replica, versions: list[int]) -> Process:
-        self.pulls += 1
-        pulls = [self.env.process(self._pull(replica, s, versions)) for s in self.shards]
-        yield self.env.all_of(pulls)
-
-    def _push(self, replica: _Replica) -> Process:
-        """A push from the compute thread (threads off, or a flush)."""
-        if replica.pending:  # the previous push must be applied first (`_collect(wait=True)`)
-            yield self.env.all_of(replica.pending)
-        replica.pending = []
-        yield from self._send(replica, list(replica.versions))
-
-    def _send(self, replica: _Replica, versions: list[int]) -> Process:
-        """Encode the gradient per shard and put each slice into the object store; the
-        shards apply them meanwhile (`replica.pending`)."""
-        machine = self.cluster.machines[replica.machine]
-        encode = sum(
-            self.cal.codec_s(self.push_codecs[s.index], s.numel, "encode") for s in self.shards
-        )
-        yield from machine.work(encode)
-        for nbytes in self.push_bytes:  # into the object store, a call per shard
-            yield from self._call(replica.machine, self.cal.push, nbytes, caller=True)
-        self.pushes += 1
-        replica.pending += [
-            self.env.process(self._apply(replica, s, versions[s.index])) for s in self.shards
-        ]
-
-    # --- threads mode ----------------------------------------------------------------------
-
-    def _copy(self, replica: _Replica) -> Process:
-        """One copy of the whole model's values on the replica's machine."""
-        seconds = 4 * self.numel / self.cal.flatten_bytes_per_s
-        yield from self.cluster.machines[replica.machine].work(seconds)
-
-    def _measure_window(
-        self, replica: _Replica, fetch: float, compute: float, push: float, pushed: bool
-    ) -> None:
-        """With threads "auto" (`ReplicaClient._measure_window`): a step's part of its push
-        window; the first window is not counted; after the probes, decide."""
-        assert replica.probe is not None
-        if replica.window is not None:
-            replica.window[0] += compute
-            replica.window[1] += fetch + push
-        if not pushed:
-            return
-        if replica.window is not None:
-            replica.probe.append((replica.window[0], replica.window[1]))
-        replica.window = [0.0, 0.0]
-        decided = auto_threads(replica.probe)
-        if decided is not None:
-            replica.probe = None
-            if decided:
-                self._start_threads(replica)
-
-    def _start_threads(self, replica: _Replica) -> None:
-        env = self.env
-        replica.threads = _Threads(simpy.Store(env, capacity=2), env.event(), env.event())
-        env.process(self._fetch_thread(replica, replica.threads))
-        env.process(self._push_thread(replica, replica.threads))
-
-    def _fetch_thread(self, replica: _Replica, threads: _Threads) -> Process:
-        while True:
-            if not threads.due:
-                threads.wake = self.env.event()
-                yield threads.wake
-            threads.due = False
-            versions = list(replica.versions)
-            yield from self._fetch(replica, versions)
-            yield from self._copy(replica)  # the fetched buffer into `fresh`
-            threads.fresh_versions = versions
-            if not threads.fresh.triggered:
-                threads.fresh.succeed()
-
-    def _push_thread(self, replica: _Replica, threads: _Threads) -> Process:
-        while (versions := (yield threads.outbox.get())) is not None:
-            yield from self._send(replica, versions)
-        threads.stopped.succeed()
-
-    def _adopt(self, replica: _Replica, threads: _Threads) -> Process:
-        """The compute thread before a step: the newest fetched parameters, if any (waiting
-        for them after `2 * n_fetch` steps on the same ones, or for the first fetch)."""
-        n_fetch = self.opts.n_fetch
-        first = threads.adopted == 0
-        if first or threads.steps_on_current >= 2 * n_fetch:
-            yield threads.fresh
-        for _ in range(2 if first else 1):  # the client adopts once more as it starts
-            if threads.fresh_versions is not None:
-                yield from self._copy(replica)
-                replica.versions = threads.fresh_versions
-                threads.fresh_versions = None
-                threads.fresh = self.env.event()
-                threads.adopted += 1
-                threads.steps_on_current = 0
-            threads.steps_on_current += 1
-            threads.steps_since_fetch += 1
-            if threads.steps_since_fetch >= n_fetch:
-                threads.steps_since_fetch = 0
-                threads.due = True
-                if threads.wake is not None and not threads.wake.triggered:
-                    threads.wake.succeed()
-
-    def _hand_over(self, replica: _Replica, threads: _Threads) -> Process:
-        """The compute thread's push: a copy of the gradient into the push thread's queue
-        (waiting while two are queued)."""
-        yield from self._copy(replica)
-        yield threads.outbox.put(list(replica.versions))
+    # --- a replica's chunk ------------------------------------------------------------------
 
     def _driver_turn(self) -> Process:
         """The driver's one thread (on machine 0) makes or takes one call of a chunk: hands
@@ -468,7 +167,7 @@ class DownpourSim:
         self.driver_busy += own * self.scale  # it serves the represented replicas too
         self._release(self.driver, turn, own)
 
-    def _chunk(self, replica: _Replica, steps: int) -> Process:
+    def _chunk(self, replica: Replica, steps: int) -> Process:
         """`train_chunk(steps)` on the replica's actor."""
         yield from self._driver_turn()
         machine = self.cluster.machines[replica.machine]
@@ -504,19 +203,19 @@ class DownpourSim:
         yield from machine.call(wall, cpu)
         yield from self._driver_turn()
 
-    def _look(self, replica: _Replica) -> Process:
+    def _look(self, replica: Replica) -> Process:
         """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a
         pull of training, so its bytes count as "look"."""
         pulls = [self.env.process(self._pull(replica, s, None, "look")) for s in self.shards]
         yield self.env.all_of(pulls)
 
-    def _evaluate(self, replica: _Replica) -> Process:
+    def _evaluate(self, replica: Replica) -> Process:
         """Replica 0 fetches the shards' values and tests them."""
         yield from self._look(replica)
         seconds = self.cost.test_size * self.cost.eval_s
         yield from self.cluster.machines[replica.machine].compute(seconds, self.threads)
 
-    def _checkpoint(self, replica: _Replica) -> Process:
+    def _checkpoint(self, replica: Replica) -> Process:
         """The shards checkpoint, then replica 0 writes the model."""
         for shard in self.shards:
             state = self._state_bytes(shard)
@@ -585,7 +284,7 @@ class DownpourSim:
         yield env.all_of(flushes)
         self.times.append((env.now, self.examples))
 
-    def _flush(self, replica: _Replica) -> Process:
+    def _flush(self, replica: Replica) -> Process:
         """`flush`: the push thread sends what is queued and stops; what is left is pushed,
         and every push applied."""
         if replica.threads is not None:
