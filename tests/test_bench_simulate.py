@@ -165,3 +165,29 @@ def test_a_case_row_is_the_mean_prediction_against_the_measured_median():
     mean, worst, at_start = _summary([hit, miss])
     assert [mean.value, worst.value, at_start.value] == pytest.approx([17.5, 25.0, 2.5])
     assert (mean.meets, worst.meets) == (False, False)
+
+
+def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
+    """The step, two processes' slow-down and the strategy's call at the case's own message
+    size (a quarter of the 1,863,690-value MLP per shard with 4 shards; the whole model for
+    sync's all-reduce), as the calibration prices them."""
+    from scaleout.bench.simulate import _costs
+    from scaleout.sim.calibration import Calibration
+
+    path = _configs_dir().parent / "results" / "calibration.json"
+    cal = Calibration.load(path)
+    by_name = {case.name: case for case in CASES}
+    case = by_name["downpour 2 replicas, 4 shards"]
+    note = _costs(path, load_config(_configs_dir() / case.config, _overrides(case, tmp_path)))
+    slice_bytes = 4 * -(-1_863_690 // 4)
+    assert f"pull {cal.pull.seconds(slice_bytes) * 1e3:.2f} ms" in note
+    assert f"push {cal.push.seconds(slice_bytes) * 1e3:.2f} ms" in note
+    assert note.startswith("step ") and note.endswith(f"at {slice_bytes / 1e6:.2f} MB")
+    case = by_name["sync 2 workers"]
+    note = _costs(path, load_config(_configs_dir() / case.config, _overrides(case, tmp_path)))
+    assert cal.allreduce is not None
+    assert f"all-reduce {cal.allreduce.seconds(4 * 1_863_690) * 1e3:.2f} ms" in note
+    from scaleout.bench.simulate import _Outcome
+
+    outcome = _Outcome(case, [1.0] * 3, [1.0, 1.0], 1.0, ["s", "b", "a"])
+    assert outcome.note().endswith("; start: s; before: b; after: a")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,36 @@ def _remeasured(calibration: Calibration, configs: list[Any], path: Path) -> Pat
     return recalibrate(calibration, configs).save(path)
 
 
+def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
+    """What a case's prediction leans on, as one calibration priced it: the model's step,
+    two processes' mutual slow-down, and its strategy's call at its message size (a shard
+    slice's pull and push; the whole model's all-reduce or averaging; a 1 MB exchange)."""
+    from scaleout.ps.layout import shard_ranges
+    from scaleout.sim.measuring import model_key
+
+    cal = Calibration.load(path)
+    model = cal.models[model_key(config)]
+    step = model.step_s(config.train.batch_size, config.run.num_threads or 1)
+    parts = [f"step {step * 1e3:.2f} ms", f"two processes {model.slowdown(2):.2f}x"]
+    strategy = config.train.strategy
+    section = getattr(config, strategy, None)
+    if strategy in ("downpour", "sandblaster"):
+        ranges = shard_ranges(model.num_parameters, min(section.num_shards, model.num_parameters))
+        nbytes = 4 * (ranges[0][1] - ranges[0][0])
+        calls = {"pull": cal.pull, "push": cal.push}
+    else:
+        nbytes = 4 * model.num_parameters if strategy == "sync" else 1 << 20
+        calls = {"all-reduce": cal.allreduce, "average": cal.average, "exchange": cal.exchange}
+        calls = {k: v for k, v in calls.items() if v is not None}
+        if strategy == "model_parallel":
+            calls = {"exchange": cal.exchange} if cal.exchange is not None else {}
+    parts += [
+        f"{name} {cost.seconds(nbytes) * 1e3:.2f} ms / {cost.cpu_s(nbytes) * 1e3:.2f} core-ms"
+        for name, cost in calls.items()
+    ]
+    return f"{', '.join(parts)} at {nbytes / 1e6:.2f} MB"
+
+
 def _measuring_key(config: Any) -> tuple[str, str]:  # noqa: ANN401 - a RunConfig
     """Cases with the same key are priced by the same re-measurements: one model, one
     strategy (the calls it makes)."""
@@ -200,6 +230,7 @@ class _Outcome:
     measured: list[float]  # examples/s of each run
     around: list[float]  # simulated, priced by the costs measured before / after the runs
     at_start: float  # simulated, priced by the calibration made at the start
+    costs: list[str] = field(default_factory=list)  # `_costs` at the start, before, after
 
     @property
     def simulated(self) -> float:
@@ -229,6 +260,10 @@ class _Outcome:
             f"before / after the runs: {self.around[0]:,.0f} / {self.around[1]:,.0f}; from "
             f"the calibration at the start: {self.at_start:,.0f} "
             f"({self.error(self.at_start):+.1f}%)"
+            + "".join(
+                f"; {when}: {costs}"
+                for when, costs in zip(("start", "before", "after"), self.costs, strict=False)
+            )
         )
 
 
@@ -294,7 +329,8 @@ def run() -> SuiteResult:
                 _simulated(case, root, path, networks)["examples_per_s"] for path in (before, after)
             ]
             at_start = _simulated(case, root, cal_path, networks)["examples_per_s"]
-            outcomes.append(_Outcome(case, measured, around, at_start))
+            costs = [_costs(path, configs[case]) for path in (cal_path, before, after)]
+            outcomes.append(_Outcome(case, measured, around, at_start, costs))
     rows = [outcome.row() for outcome in outcomes] + _summary(outcomes)
     notes.extend(outcome.note() for outcome in outcomes)
     return SuiteResult(rows, notes=notes, contended="contended" in calibration.notes)
