@@ -171,7 +171,7 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     """The step, two processes' slow-down and the strategy's call at the case's own message
     size (a quarter of the 1,863,690-value MLP per shard with 4 shards; the whole model for
     sync's all-reduce), as the calibration prices them."""
-    from scaleout.bench.simulate import _costs
+    from scaleout.bench.simulate import _costs, _Outcome
     from scaleout.sim.calibration import Calibration
 
     path = _configs_dir().parent / "results" / "calibration.json"
@@ -187,7 +187,5 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     note = _costs(path, load_config(_configs_dir() / case.config, _overrides(case, tmp_path)))
     assert cal.allreduce is not None
     assert f"all-reduce {cal.allreduce.seconds(4 * 1_863_690) * 1e3:.2f} ms" in note
-    from scaleout.bench.simulate import _Outcome
-
     outcome = _Outcome(case, [1.0] * 3, [1.0, 1.0], 1.0, ["s", "b", "a"])
     assert outcome.note().endswith("; start: s; before: b; after: a")

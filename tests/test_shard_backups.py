@@ -70,18 +70,21 @@ def test_killed_primary_or_backup_loses_no_update(ray_session, victim):
         server.kill()
 
 
-def lose_first_answer(monkeypatch) -> None:  # noqa: ANN001
+def lose_first_answer(monkeypatch) -> list[str]:  # noqa: ANN001
     """The next `ray.get` of one answer raises what Ray raises when the node holding that
-    answer in its object store was lost before the caller fetched it."""
-    real_get = ray.get
+    answer in its object store was lost before the caller fetched it; the list returned
+    gets the lost answer's id."""
+    real_get, lost = ray.get, []
 
     def get(refs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         if isinstance(refs, ray.ObjectRef):
             monkeypatch.setattr(ray, "get", real_get)
+            lost.append(refs.hex())
             raise ObjectReconstructionFailedError(refs.hex())
         return real_get(refs, *args, **kwargs)
 
     monkeypatch.setattr(ray, "get", get)
+    return lost
 
 
 @pytest.mark.parametrize("primary", ["alive", "dead"])
@@ -99,9 +102,10 @@ def test_a_pull_answer_lost_with_its_node_is_asked_for_again(ray_session, monkey
         pushes(server, range(3))
         if primary == "dead":
             os.kill(pid_of(server.shards[0]), signal.SIGKILL)
-        lose_first_answer(monkeypatch)
+        lost = lose_first_answer(monkeypatch)
         out = torch.empty(server.numel)
         server.pull_into(out)  # shard 0's answer is lost
+        assert len(lost) == 1
         assert server.failovers == (1 if primary == "dead" else 0)
         pushes(server, range(3, 6))
         assert torch.equal(server.values(), reference.values())

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from scaleout.bench import Row, SuiteResult, register_suite, simulate_testnet
-from scaleout.sim.calibration import Calibration
+from scaleout.sim.calibration import Calibration, MessageCost
 
 REPEATS = 3
 MEAN_TARGET, WORST_TARGET = 7.0, 20.0  # % absolute error of examples/s
@@ -195,21 +195,20 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
     model = cal.models[model_key(config)]
     step = model.step_s(config.train.batch_size, config.run.num_threads or 1)
     parts = [f"step {step * 1e3:.2f} ms", f"two processes {model.slowdown(2):.2f}x"]
-    strategy = config.train.strategy
-    section = getattr(config, strategy, None)
+    strategy, numel = config.train.strategy, model.num_parameters
+    calls: dict[str, MessageCost | None]
     if strategy in ("downpour", "sandblaster"):
-        ranges = shard_ranges(model.num_parameters, min(section.num_shards, model.num_parameters))
-        nbytes = 4 * (ranges[0][1] - ranges[0][0])
-        calls = {"pull": cal.pull, "push": cal.push}
+        num_shards = getattr(config, strategy).num_shards
+        (start, stop), *_ = shard_ranges(numel, min(num_shards, numel))
+        nbytes, calls = 4 * (stop - start), {"pull": cal.pull, "push": cal.push}
+    elif strategy == "sync":
+        nbytes, calls = 4 * numel, {"all-reduce": cal.allreduce, "average": cal.average}
     else:
-        nbytes = 4 * model.num_parameters if strategy == "sync" else 1 << 20
-        calls = {"all-reduce": cal.allreduce, "average": cal.average, "exchange": cal.exchange}
-        calls = {k: v for k, v in calls.items() if v is not None}
-        if strategy == "model_parallel":
-            calls = {"exchange": cal.exchange} if cal.exchange is not None else {}
+        nbytes, calls = 1 << 20, {"exchange": cal.exchange}
     parts += [
         f"{name} {cost.seconds(nbytes) * 1e3:.2f} ms / {cost.cpu_s(nbytes) * 1e3:.2f} core-ms"
         for name, cost in calls.items()
+        if cost is not None
     ]
     return f"{', '.join(parts)} at {nbytes / 1e6:.2f} MB"
 
