@@ -188,7 +188,7 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
     """What a case's prediction leans on, as one calibration priced it: the model's step,
     two processes' mutual slow-down, and its strategy's call at its message size (a shard
     slice's pull and push; the whole model's all-reduce or averaging; a 1 MB exchange)."""
-    from scaleout.ps.layout import shard_ranges
+    from scaleout.sim.measure_calls import shard_slices
     from scaleout.sim.measuring import model_key
 
     cal = Calibration.load(path)
@@ -197,10 +197,8 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
     parts = [f"step {step * 1e3:.2f} ms", f"two processes {model.slowdown(2):.2f}x"]
     strategy, numel = config.train.strategy, model.num_parameters
     calls: dict[str, MessageCost | None]
-    if strategy in ("downpour", "sandblaster"):
-        num_shards = getattr(config, strategy).num_shards
-        (start, stop), *_ = shard_ranges(numel, min(num_shards, numel))
-        nbytes, calls = 4 * (stop - start), {"pull": cal.pull, "push": cal.push}
+    if slices := shard_slices(config, numel):
+        nbytes, calls = 4 * slices[0], {"pull": cal.pull, "push": cal.push}
     elif strategy == "sync":
         nbytes, calls = 4 * numel, {"all-reduce": cal.allreduce, "average": cal.average}
     else:

@@ -110,21 +110,26 @@ def message_cost(nbytes: Sequence[int], calls: Sequence[CallCost]) -> MessageCos
     return MessageCost(**fields)
 
 
-def shard_message_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
-    """Values per call to measure: `MESSAGE_SIZES` and every shard slice the configs send
-    (Downpour's fp32 slices; Sandblaster's float64 vectors as twice as many fp32 values)."""
+def shard_slices(config: Any, numel: int) -> list[int]:  # noqa: ANN401 - a RunConfig
+    """fp32 values of each shard's call for `config`'s model of `numel` parameters
+    (Downpour's fp32 slices; Sandblaster's float64 vectors as twice as many fp32 values);
+    none for a strategy without shards."""
     from scaleout.ps.layout import shard_ranges
 
+    section = getattr(config, config.train.strategy, None)
+    num_shards = getattr(section, "num_shards", None)
+    if not num_shards:
+        return []
+    width = 2 if config.train.strategy == "sandblaster" else 1
+    return [width * (stop - start) for start, stop in shard_ranges(numel, min(num_shards, numel))]
+
+
+def shard_message_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
+    """Values per call to measure: `MESSAGE_SIZES` and every shard slice the configs send
+    (`shard_slices`)."""
     sizes = set(MESSAGE_SIZES)
     for config in configs:
-        section = getattr(config, config.train.strategy, None)
-        num_shards = getattr(section, "num_shards", None)
-        if not num_shards:
-            continue
-        numel = models[model_key(config)].num_parameters
-        width = 2 if config.train.strategy == "sandblaster" else 1
-        for start, stop in shard_ranges(numel, min(num_shards, numel)):
-            sizes.add(width * (stop - start))
+        sizes.update(shard_slices(config, models[model_key(config)].num_parameters))
     return sorted(sizes)
 
 
