@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import ray
@@ -40,12 +42,24 @@ def pid_of(actor) -> int:  # noqa: ANN001
     return ray.get(actor.info.remote())["pid"]
 
 
+@contextmanager
+def reference_and_backed_up(
+    initial: torch.Tensor, num_shards: int
+) -> Iterator[tuple[ParameterServer, ParameterServer]]:
+    """A server nobody kills (the reference) and one whose shards keep backups, both holding
+    `initial`; both ended afterwards."""
+    reference = ParameterServer.create(initial, num_shards, ADAGRAD)
+    server = ParameterServer.create(initial, num_shards, ADAGRAD, backups=1)
+    try:
+        yield reference, server
+    finally:
+        reference.kill()
+        server.kill()
+
+
 @pytest.mark.parametrize("victim", ["primary", pytest.param("backup", marks=pytest.mark.slow)])
 def test_killed_primary_or_backup_loses_no_update(ray_session, victim):
-    initial = torch.linspace(-1, 1, 1000)
-    reference = ParameterServer.create(initial, 2, ADAGRAD)
-    server = ParameterServer.create(initial, 2, ADAGRAD, backups=1)
-    try:
+    with reference_and_backed_up(torch.linspace(-1, 1, 1000), 2) as (reference, server):
         pushes(reference, range(30))
         pushes(server, range(10))
         target = server.shards[1] if victim == "primary" else server.backups[1]
@@ -65,9 +79,6 @@ def test_killed_primary_or_backup_loses_no_update(ray_session, victim):
         pushes(reference, range(30, 35))
         pushes(server, range(30, 35))
         assert torch.equal(server.values(), reference.values())
-    finally:
-        reference.kill()
-        server.kill()
 
 
 def lose_first_answer(monkeypatch) -> list[str]:  # noqa: ANN001
@@ -94,10 +105,7 @@ def test_a_pull_answer_lost_with_its_node_is_asked_for_again(ray_session, monkey
     client asks again: a live primary answers (no failover: its backup promoted beside it
     would make two primaries), a dead one is replaced by its backup. Either way the pull
     returns the values a fault-free server holds, and no update is lost or applied twice."""
-    initial = torch.linspace(-1, 1, 1000)
-    reference = ParameterServer.create(initial, 2, ADAGRAD)
-    server = ParameterServer.create(initial, 2, ADAGRAD, backups=1)
-    try:
+    with reference_and_backed_up(torch.linspace(-1, 1, 1000), 2) as (reference, server):
         pushes(reference, range(6))
         pushes(server, range(3))
         if primary == "dead":
@@ -111,17 +119,11 @@ def test_a_pull_answer_lost_with_its_node_is_asked_for_again(ray_session, monkey
         assert torch.equal(server.values(), reference.values())
         assert server.updates_lost == 0
         assert [i["version"] for i in server.info()] == [6, 6]
-    finally:
-        reference.kill()
-        server.kill()
 
 
 @pytest.mark.slow
 def test_a_second_failure_is_survived_by_the_new_backup(ray_session):
-    initial = torch.zeros(64)
-    reference = ParameterServer.create(initial, 1, ADAGRAD)
-    server = ParameterServer.create(initial, 1, ADAGRAD, backups=1)
-    try:
+    with reference_and_backed_up(torch.zeros(64), 1) as (reference, server):
         pushes(reference, range(20))
         for start in (0, 10):
             pid = pid_of(server.shards[0])
@@ -129,9 +131,6 @@ def test_a_second_failure_is_survived_by_the_new_backup(ray_session):
             time.sleep(0.2)
         assert server.failovers == 2 and server.updates_lost == 0
         assert torch.equal(server.values(), reference.values())
-    finally:
-        reference.kill()
-        server.kill()
 
 
 @pytest.mark.slow
