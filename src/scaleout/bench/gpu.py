@@ -12,11 +12,15 @@ single-process parts of the library (no Ray), so it runs on a bare GPU machine.
    count (`bench local`'s kernel rows on the GPU; the paper: 82 / 75 / 65% on a GTX 680).
    TF32 is off: fp32 as the paper's sgemm.
 3. Ding et al. table 1, the 1-GPU column: seconds per 20 iterations of AlexNet (227 px
-   random crops of 256 px JPEG files, batch 256, momentum 0.9) trained by `scaleout.fit`
-   (strategy "single") on the GPU with parallel loading (`loader.workers` = 1, the paper's
-   one loading process, and 8) and without (0), and the serial run's compute alone (less
-   the time its steps waited for data). The paper, cuDNN-R2 on a Titan Black: 32.76 s with
-   and 43.52 s without parallel loading. Its 2-GPU column needs two GPUs.
+   random crops of 256 px JPEG files; batch, optimizer and model from
+   configs/alexnet_sync.toml) trained by `scaleout.fit` (strategy "single") on the GPU with
+   parallel loading (`loader.workers` = 1, the paper's one loading process, and 8) and
+   without (0), and the serial run's compute alone (less the time its steps waited for
+   data). Batches travel as uint8 and are finished on the GPU (`loader.uint8`, the default
+   on CUDA); one more run with 1 loading process ships float32 batches, as before it; and
+   the loading pipeline alone (no model), in the training process and in 1 loader process,
+   uint8 and float32, shows what a step waits for. The paper, cuDNN-R2 on a Titan Black:
+   32.76 s with and 43.52 s without parallel loading. Its 2-GPU column needs two GPUs.
 4. Training: the MNIST demo's MLP by `scaleout.fit` on the GPU and on the CPU, same seed
    and steps: test accuracy of each.
 """
@@ -26,28 +30,34 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+import time
+import tomllib
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from scaleout.api import fit
+from scaleout.api import build_job, config_from_dict, fit
 from scaleout.bench import Row, SuiteResult, register_suite
 from scaleout.bench.local import KERNEL_LAYERS, kernel_rows
 from scaleout.bench.papers import DING_TABLE_1
 from scaleout.compress import get as get_codec
+from scaleout.data import make_loader
 from scaleout.data.images import write_image_folder
+from scaleout.data.prefetch import DevicePrefetcher
 from scaleout.errors import UserError
 from scaleout.metrics import read_metrics
 from scaleout.nn.local import local_forward, local_transpose, local_weight_grad
+from scaleout.runtime.device import resolve_device
 
 DEVICE = "cuda"
 ITERATIONS = 20  # Ding et al.'s table: seconds per 20 iterations
-ALEXNET_BATCH = 256
 ALEXNET_INTERVALS = 4  # logged intervals of ITERATIONS steps: the first warms up
 MNIST_STEPS = 600
-MNIST_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "mnist_single.toml"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+MNIST_CONFIG = CONFIGS / "mnist_single.toml"
+ALEXNET_CONFIG = CONFIGS / "alexnet_sync.toml"
 
 
 def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
@@ -116,47 +126,78 @@ def kernel_speed_rows(rows: list[Row], ratios: dict) -> None:
         torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
-def _alexnet(root: Path, images: Path, loader_workers: int) -> tuple[list[float], list[float]]:
+def alexnet_config(root: Path, images: Path, loader_workers: int, uint8: bool) -> dict:
+    """configs/alexnet_sync.toml (the paper's batch, optimizer and model) as one process on
+    the GPU reading `images`, logging every ITERATIONS steps."""
+    with ALEXNET_CONFIG.open("rb") as file:
+        config = tomllib.load(file)
+    steps = ITERATIONS * ALEXNET_INTERVALS
+    config.pop("sync")
+    config["run"] |= {
+        "name": f"alexnet_{loader_workers}_{'uint8' if uint8 else 'float'}",
+        "out_dir": str(root),
+        "device": DEVICE,
+        "num_threads": None,  # the config's 1 is per CPU worker
+    }
+    config["data"] = {"dataset": "image_folder", "path": str(images), "image_size": 256}
+    config["data"]["crop"] = 227
+    config["loader"] = {"workers": loader_workers, "uint8": uint8}
+    config["train"] |= {
+        "strategy": "single",
+        "steps": steps,
+        "log_every": ITERATIONS,
+        "eval_every": steps,
+        "checkpoint_every": steps,
+    }
+    return config
+
+
+def _alexnet(
+    root: Path, images: Path, loader_workers: int, uint8: bool
+) -> tuple[list[float], list[float]]:
     """`scaleout.fit` of AlexNet on the GPU: seconds per ITERATIONS steps of each logged
     interval after the first, and the seconds of each that the steps waited for data."""
-    steps = ITERATIONS * ALEXNET_INTERVALS
-    result = fit(
-        {
-            "run": {
-                "name": f"alexnet_{loader_workers}",
-                "out_dir": str(root),
-                "seed": 0,
-                "device": DEVICE,
-            },
-            "data": {
-                "dataset": "image_folder",
-                "path": str(images),
-                "image_size": 256,
-                "crop": 227,
-            },
-            "loader": {"workers": loader_workers},
-            "model": {"kind": "alexnet", "num_classes": 1000, "dropout": 0.5},
-            "train": {
-                "strategy": "single",
-                "steps": steps,
-                "batch_size": ALEXNET_BATCH,
-                "optimizer": "momentum",
-                "lr": 0.01,
-                "momentum": 0.9,
-                "weight_decay": 0.0005,
-                "log_every": ITERATIONS,
-                "eval_every": steps,
-                "checkpoint_every": steps,
-            },
-        },
-        overwrite=True,
-    )
+    config = alexnet_config(root, images, loader_workers, uint8)
+    result = fit(config, overwrite=True)
     assert result.run_dir is not None
     lines = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "examples_per_s" in r]
     lines = lines[1:]  # warm-up: cuDNN's autotuning, the loader's start
-    seconds = [ITERATIONS * ALEXNET_BATCH / r["examples_per_s"] for r in lines]
+    batch = config["train"]["batch_size"]
+    seconds = [ITERATIONS * batch / r["examples_per_s"] for r in lines]
     waited = [ITERATIONS * r.get("data_wait_s", 0.0) for r in lines]
     return seconds, waited
+
+
+def _loading_alone(config: dict) -> float:
+    """Seconds per ITERATIONS batches of the run's own loading pipeline without a model:
+    loader processes, pinned memory, the transfer and (uint8) the finish on the GPU."""
+    job = build_job(config_from_dict(config))
+    train_set, _ = job.build_data()
+    device = resolve_device(job.run.device)
+    train_set, finish = job.loader.with_uint8(train_set, device)
+    loader = make_loader(
+        train_set,
+        job.train.batch_size,
+        seed=0,
+        workers=job.loader.workers,
+        pin_memory=job.loader.pins(device),
+        prefetch_factor=job.loader.prefetch_factor,
+    )
+    batches = iter(DevicePrefetcher(loader, device, finish=finish))
+    for _ in range(2):  # the loader processes' start
+        next(batches)
+    _synchronize(device)
+    started = time.perf_counter()
+    for _ in range(ITERATIONS):
+        x, _ = next(batches)
+        assert x.dtype == torch.float32, "a finished batch"
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _image_folder(root: Path, num_train: int, distinct: int = 2560) -> Path:
@@ -177,8 +218,15 @@ def table_one_rows(rows: list[Row], notes: list[str]) -> None:
     """Ding et al. table 1's 1-GPU column, and how more loading processes change it."""
     with tempfile.TemporaryDirectory(prefix="scaleout-gpu-") as tmp:
         root = Path(tmp)
-        images = _image_folder(root / "images", ITERATIONS * ALEXNET_BATCH * ALEXNET_INTERVALS)
-        runs = {workers: _alexnet(root, images, workers) for workers in (1, 0, 8)}
+        batch = alexnet_config(root, root, 0, True)["train"]["batch_size"]
+        images = _image_folder(root / "images", ITERATIONS * batch * ALEXNET_INTERVALS)
+        runs = {workers: _alexnet(root, images, workers, uint8=True) for workers in (1, 0, 8)}
+        float_run = _alexnet(root, images, 1, uint8=False)
+        alone = {
+            (workers, uint8): _loading_alone(alexnet_config(root, images, workers, uint8))
+            for workers in (0, 1)
+            for uint8 in (True, False)
+        }
     unit = "s / 20 iterations"
     rows.append(
         Row.median_of(
@@ -199,6 +247,15 @@ def table_one_rows(rows: list[Row], notes: list[str]) -> None:
         Row.median_of("1 GPU, compute only (serial less its data wait)", compute, unit, "lower")
     )
     rows.append(Row.median_of("1 GPU, parallel loading (8 processes)", runs[8][0], unit, "lower"))
+    rows.append(
+        Row.median_of(
+            "1 GPU, parallel loading (1 process), float32 batches", float_run[0], unit, "lower"
+        )
+    )
+    for (workers, uint8), seconds in alone.items():
+        where = f"{workers} process" if workers else "in the training process"
+        batch_type = "uint8" if uint8 else "float32"
+        rows.append(Row(f"loading alone, {where}, {batch_type} batches", seconds, unit, "lower"))
     serial, parallel = statistics.median(runs[0][0]), statistics.median(runs[1][0])
     rows.append(
         Row(
@@ -210,10 +267,11 @@ def table_one_rows(rows: list[Row], notes: list[str]) -> None:
         )
     )
     notes.append(
-        f"AlexNet on {ITERATIONS * ALEXNET_BATCH * ALEXNET_INTERVALS:,} synthetic 256 px JPEG "
-        f"files (1000 classes), 227 px random crops and flips, batch {ALEXNET_BATCH}; each "
-        f"row the median of the {ALEXNET_INTERVALS - 1} intervals of {ITERATIONS} "
-        "iterations after a warm-up interval, all in one epoch"
+        f"AlexNet on {ITERATIONS * batch * ALEXNET_INTERVALS:,} synthetic 256 px JPEG "
+        f"files (1000 classes), 227 px random crops and flips, batch {batch}, uint8 batches "
+        f"finished on the GPU unless a row says float32; each row the median of the "
+        f"{ALEXNET_INTERVALS - 1} intervals of {ITERATIONS} iterations after a warm-up "
+        "interval, all in one epoch"
     )
 
 

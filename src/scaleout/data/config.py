@@ -258,7 +258,30 @@ class LoaderSection(Section):
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pin when training on CUDA
     prefetch_factor: PositiveInt = 2  # batches each loader process prepares ahead
     device_prefetch: bool = True  # copy batch k+1 to the device (non-blocking) while k trains
+    # Image data: ship 8-bit pixels and scale / subtract the mean image on the device
+    # (`scaleout.data.uint8`); auto: on CUDA, for data sets stored as 8-bit images.
+    uint8: bool | Literal["auto"] = "auto"
 
     def pins(self, device: torch.device) -> bool:
         """Whether batches go to pinned memory for `device`."""
         return device.type == "cuda" if self.pin_memory == "auto" else self.pin_memory
+
+    def with_uint8(self, dataset: Dataset, device: torch.device) -> tuple[Dataset, Any]:
+        """`dataset` as the loader should read it for `device`, and the finish the device
+        applies to its batches (None: none). Raises `DataError` when `uint8 = true` and the
+        data set cannot give 8-bit batches."""
+        if self.uint8 is False:
+            return dataset, None
+        as_uint8 = getattr(dataset, "as_uint8", None)
+        if as_uint8 is None:
+            if self.uint8 is True:
+                raise DataError(
+                    f"loader.uint8 = true needs an image data set (image_folder or npy); "
+                    f"{type(dataset).__name__} has no 8-bit batches: set loader.uint8 = 'auto'"
+                )
+            return dataset, None
+        if self.uint8 == "auto" and (device.type != "cuda" or not dataset.stored_uint8):
+            return dataset, None
+        from scaleout.data.uint8 import FinishOnDevice
+
+        return as_uint8(), FinishOnDevice(dataset.mean)

@@ -14,6 +14,12 @@ A batch is assembled by `__getitems__` straight into one tensor; inside a loader
 process that tensor is allocated in shared memory, so handing it to the training process
 moves a file descriptor, not the pixels.
 
+`as_uint8()` gives the same data set in uint8 mode (`loader.uint8`, for GPU training): the
+loader crops and flips the 8-bit pixels and hands over a quarter of the bytes, with each
+example's window; `scaleout.data.uint8.FinishOnDevice` scales them and subtracts the mean
+image's window on the device. The result equals the float path's bit for bit, except that a
+resized image is rounded to 8 bits (at most 1/255 apart).
+
 Every input is checked before it is expanded, and a bad one is a one-line `DataError` naming
 the file and the fix, not a traceback from inside Pillow or numpy: an image's pixel count is
 read from its header and refused over Pillow's decompression-bomb limit before it is decoded;
@@ -54,8 +60,8 @@ _DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's default Image.MAX_IMAGE_PIXELS, if 
 
 
 class ImageDataset(Dataset):
-    """Base: subclasses return one raw image as float32 (C, H, W) in [0, 1] and its label;
-    this class resizes, subtracts the mean image, crops and flips."""
+    """Base: subclasses return one image's pixels, uint8 (C, H, W) or float32 in [0, 1];
+    this class scales, resizes, subtracts the mean image, crops and flips."""
 
     def __init__(
         self,
@@ -74,10 +80,12 @@ class ImageDataset(Dataset):
         self.train, self.image_size, self.crop = train, image_size, crop
         self.flip = flip and train
         self.seed, self.epoch = seed, 0
+        self.uint8 = False  # batches of 8-bit pixels, finished on the device (`as_uint8`)
         first = self._sized(0) if len(self.labels) else None
         if first is None:
             raise DataError(f"{type(self).__name__}: the data set holds no images")
         self.stored_shape: tuple[int, ...] = tuple(first.shape)  # (C, H, W) before cropping
+        self.stored_uint8 = self.pixels(0).dtype == torch.uint8
         if crop is not None and crop > min(self.stored_shape[1:]):
             raise DataError(
                 f"data.crop = {crop} is larger than the images ({self.stored_shape[1]}x"
@@ -90,9 +98,14 @@ class ImageDataset(Dataset):
 
     # --- subclasses -----------------------------------------------------------------------
 
+    def pixels(self, index: int) -> torch.Tensor:
+        """Image `index` as stored: uint8 (C, H, W), or float32 (C, H, W) in [0, 1]."""
+        raise NotImplementedError
+
     def raw(self, index: int) -> torch.Tensor:
         """Image `index` as float32 (C, H, W) in [0, 1]."""
-        raise NotImplementedError
+        image = self.pixels(index)
+        return image.float().div_(255.0) if image.dtype == torch.uint8 else image
 
     def describe(self, index: int) -> str:
         """Where example `index` comes from, for error messages."""
@@ -108,8 +121,8 @@ class ImageDataset(Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _sized(self, index: int) -> torch.Tensor:
-        image = self.raw(index)  # (C, H, W)
+    def _sized(self, index: int, uint8: bool = False) -> torch.Tensor:
+        image = self.pixels(index) if uint8 else self.raw(index)  # (C, H, W)
         if self.image_size is not None and image.shape[1:] != (self.image_size,) * 2:
             image = torch.nn.functional.interpolate(
                 image[None], size=(self.image_size,) * 2, mode="bilinear", antialias=True
@@ -132,26 +145,44 @@ class ImageDataset(Dataset):
             total += self._sized(int(i))
         return (total / len(np.unique(picks))).float()
 
-    def _preprocessed(self, index: int, out: torch.Tensor) -> None:
-        image = self._sized(index)  # (C, H, W)
-        if self.mean is not None:
-            image = image - self.mean
-        height, width = image.shape[1:]
+    def window(self, index: int) -> tuple[int, int, bool]:
+        """Example `index`'s crop (top, left) and flip in this epoch."""
+        height, width = self.stored_shape[1:]
         if self.crop is not None:
             if self.train:
                 g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, index))
                 top = int(torch.randint(height - self.crop + 1, (), generator=g))
                 left = int(torch.randint(width - self.crop + 1, (), generator=g))
-                flip = self.flip and bool(torch.randint(2, (), generator=g))
-            else:
-                top, left, flip = (height - self.crop) // 2, (width - self.crop) // 2, False
-            image = image[:, top : top + self.crop, left : left + self.crop]
-        elif self.flip:
+                return top, left, self.flip and bool(torch.randint(2, (), generator=g))
+            return (height - self.crop) // 2, (width - self.crop) // 2, False
+        if self.flip:
             g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, index))
-            flip = bool(torch.randint(2, (), generator=g))
-        else:
-            flip = False
+            return 0, 0, bool(torch.randint(2, (), generator=g))
+        return 0, 0, False
+
+    def _preprocessed(self, index: int, out: torch.Tensor) -> tuple[int, int, bool]:
+        """Write example `index` into `out`; uint8 mode leaves the scale and the mean image
+        to the device and returns the window it took."""
+        image = self._sized(index, uint8=self.uint8)  # (C, H, W)
+        if self.mean is not None and not self.uint8:
+            image = image - self.mean
+        top, left, flip = self.window(index)
+        height, width = out.shape[1:]
+        image = image[:, top : top + height, left : left + width]
         out.copy_(image.flip(-1) if flip else image)
+        return top, left, flip
+
+    def as_uint8(self) -> ImageDataset:
+        """This data set in uint8 mode: batches of (8-bit pixels, labels, windows), to be
+        finished on the device by `scaleout.data.uint8.FinishOnDevice(self)`."""
+        if not self.stored_uint8:
+            raise DataError(
+                f"loader.uint8 = true needs 8-bit images, but {self.describe(0)} is stored as "
+                "float; set loader.uint8 = false (or 'auto')"
+            )
+        part = copy.copy(self)
+        part.uint8 = True
+        return part
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -166,13 +197,17 @@ class ImageDataset(Dataset):
         x, y = self.__getitems__([index])
         return x[0], y[0]
 
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.empty((len(indices), *self.input_shape))  # (N, C, H, W)
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        """(x (N, C, H, W) float32, y (N,)); in uint8 mode (x uint8, y, windows (N, 3))."""
+        dtype = torch.uint8 if self.uint8 else torch.float32
+        x = torch.empty((len(indices), *self.input_shape), dtype=dtype)  # (N, C, H, W)
         if get_worker_info() is not None:  # a loader process: hand over without copying
             x.share_memory_()
-        for row, index in enumerate(indices):
-            self._preprocessed(index, x[row])
-        return x, self.labels[torch.as_tensor(indices, dtype=torch.long)]
+        windows = [self._preprocessed(index, x[row]) for row, index in enumerate(indices)]
+        y = self.labels[torch.as_tensor(indices, dtype=torch.long)]
+        if self.uint8:
+            return x, y, torch.tensor(windows, dtype=torch.long).reshape(-1, 3)
+        return x, y
 
     @staticmethod
     def collate(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -205,9 +240,8 @@ class ImageFolderDataset(ImageDataset):
         self.files = files
         super().__init__(np.array(labels), len(self.classes), train=split == "train", **kw)  # type: ignore[arg-type]
 
-    def raw(self, index: int) -> torch.Tensor:
-        pixels = decode_image(self.files[index])  # (H, W, 3) uint8
-        return torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255.0)
+    def pixels(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(decode_image(self.files[index])).permute(2, 0, 1)  # (3, H, W)
 
     def describe(self, index: int) -> str:
         return f"image {self.files[index]}"
@@ -236,11 +270,9 @@ class NpyDataset(ImageDataset):
         classes = int(labels.max()) + 1 if len(labels) else 0
         super().__init__(labels, classes, train=split == "train", **kw)  # type: ignore[arg-type]
 
-    def raw(self, index: int) -> torch.Tensor:
+    def pixels(self, index: int) -> torch.Tensor:
         image = torch.from_numpy(np.array(self.x[index]))
-        if self.channels_last:
-            return image.permute(2, 0, 1).float().div_(255.0)  # (C, H, W)
-        return image.float()
+        return image.permute(2, 0, 1) if self.channels_last else image.float()  # (C, H, W)
 
 
 def check_image_data(kind: str, path: Path) -> None:

@@ -34,6 +34,11 @@ class Part(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the data set the epoch (its random crops and flips depend on it)."""
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
     def __getitem__(self, i: int) -> Any:  # noqa: ANN401
         return self.dataset[self.indices[i]]
 

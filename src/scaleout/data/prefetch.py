@@ -10,7 +10,9 @@ The pipeline, from disk to the device:
    (`loader.pin_memory`), the one copy an asynchronous host-to-device transfer needs;
 3. `DevicePrefetcher` starts the non-blocking transfer of batch k+1 on a side stream as soon
    as batch k is handed to the training step, and makes the compute stream wait for it only
-   when k+1 is used. On the CPU the transfer is a no-op and batches pass through untouched.
+   when k+1 is used. On the CPU the transfer is a no-op and batches pass through untouched;
+4. with `loader.uint8`, `finish` (`scaleout.data.uint8.FinishOnDevice`) turns the 8-bit
+   pixels into the float batch on the device, on the same side stream.
 
 `loader.workers = 0` turns steps 1 and 2 off (the training process loads each batch itself,
 between steps), which is the comparison the benchmark makes.
@@ -18,7 +20,7 @@ between steps), which is the comparison the benchmark makes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,20 +31,31 @@ Batch = tuple[torch.Tensor, ...]
 
 
 class DevicePrefetcher:
-    """Iterate over `batches` with every tensor already on `device`, one batch ahead."""
+    """Iterate over `batches` with every tensor already on `device`, one batch ahead, each
+    passed through `finish` there when given."""
 
-    def __init__(self, batches: Iterable[Batch], device: torch.device, ahead: bool = True) -> None:
-        self.batches, self.device = batches, torch.device(device)
+    def __init__(
+        self,
+        batches: Iterable[Batch],
+        device: torch.device,
+        ahead: bool = True,
+        finish: Callable[[Batch], Batch] | None = None,
+    ) -> None:
+        self.batches, self.device, self.finish = batches, torch.device(device), finish
         self.ahead = ahead and self.device.type != "cpu"
         self.stream: Any = None
         if self.ahead and self.device.type == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
 
+    def _moved(self, batch: Batch) -> Batch:
+        batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
+        return batch if self.finish is None else self.finish(batch)
+
     def _transfer(self, batch: Batch) -> Batch:
         if self.stream is None:
-            return tuple(t.to(self.device, non_blocking=True) for t in batch)
+            return self._moved(batch)
         with torch.cuda.stream(self.stream):
-            return tuple(t.to(self.device, non_blocking=True) for t in batch)
+            return self._moved(batch)
 
     def _hand_over(self, batch: Batch) -> Batch:
         if self.stream is not None:
@@ -55,7 +68,7 @@ class DevicePrefetcher:
     def __iter__(self) -> Iterator[Batch]:
         if not self.ahead:
             for batch in self.batches:
-                yield tuple(t.to(self.device, non_blocking=True) for t in batch)
+                yield self._moved(batch)
             return
         source = iter(self.batches)
         try:
