@@ -290,7 +290,7 @@ def test_a_pull_after_a_push_waits_for_it_at_the_shard():
     (pull_caller, _), (pull_callee, _) = cal.pull.sides(nbytes)
     update = push_callee + cal.apply_s("adagrad", NUM_PARAMETERS)
     sim.env.process(sim._apply(replica, shard, 0))
-    pull = sim.env.process(sim._pull(replica, shard, replica.versions))
+    pull = sim.env.process(sim._pull_all(replica, replica.versions, "pull"))
     sim.env.run(until=pull)
     assert sim.env.now == pytest.approx(crossing + update + pull_callee + crossing + pull_caller)
     assert replica.versions[shard.index] == 1  # the pull saw the push applied
@@ -301,9 +301,26 @@ def test_a_pull_after_a_push_waits_for_it_at_the_shard():
         cal.pull_across = MessageCost(fixed_s=extra, bytes_per_s=1e12) if extra else None
         sim = DownpourSim(cfg, Setting(cal, machines=2, link=Link(1e6, 0.0)))
         alone = sim.replicas[1]
-        pull = sim.env.process(sim._pull(alone, sim.shards[0], alone.versions))
+        pull = sim.env.process(sim._pull_all(alone, alone.versions, "pull"))
         sim.env.run(until=pull)
         assert sim.env.now == pytest.approx(pull_callee + crossing + extra + pull_caller)
+
+
+def test_a_fetch_takes_its_slices_in_one_thread():
+    """`pull_into` asks every shard at once and waits for all; then the replica's one
+    thread takes and copies the slices in turn: on idle cores a fetch from 4 shards costs
+    one shard's side and 4 callers' sides."""
+    cfg = config(num_replicas=1, num_shards=4)
+    cal = calibration(cfg)
+    sim = DownpourSim(cfg, Setting(cal, machines=1))
+    replica = sim.replicas[0]
+    sides = [cal.pull.sides(nbytes) for nbytes in sim.pull_bytes]
+    assert len(sides) == 4 and sum(sim.pull_bytes) == 4 * NUM_PARAMETERS
+    fetch = sim.env.process(sim._fetch(replica, replica.versions))
+    sim.env.run(until=fetch)
+    callee = max(wall for _, (wall, _) in sides)  # side by side, in four actors
+    callers = sum(wall for (wall, _), _ in sides)  # in turn
+    assert sim.env.now == pytest.approx(callee + callers)
 
 
 def test_a_backup_applies_every_push_before_it_is_answered():

@@ -206,8 +206,7 @@ class DownpourSim(ShardCalls, ReplicaThreads):
     def _look(self, replica: Replica) -> Process:
         """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a
         pull of training, so its bytes count as "look"."""
-        pulls = [self.env.process(self._pull(replica, s, None, "look")) for s in self.shards]
-        yield self.env.all_of(pulls)
+        yield from self._pull_all(replica, None, "look")
 
     def _evaluate(self, replica: Replica) -> Process:
         """Replica 0 fetches the shards' values and tests them."""

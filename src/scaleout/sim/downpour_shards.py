@@ -116,8 +116,8 @@ class ShardCalls:
     def _pull(
         self, replica: Replica, shard: Shard, versions: list[int] | None, kind: str = "pull"
     ) -> Process:
-        """One shard's slice to the replica; its version into `versions` (None: a look that
-        the next push's staleness ignores)."""
+        """One shard's slice on its way to the replica: the shard's side and the crossing;
+        its version into `versions` (None: a look that the next push's staleness ignores)."""
         nbytes = self.pull_bytes[shard.index]
         before, done = self._in_order(replica, shard)
         if before is not None:
@@ -129,8 +129,15 @@ class ShardCalls:
             versions[shard.index] = shard.version
         across = self.cal.pull_across
         yield from self._cross(shard.machine, replica.machine, nbytes, kind, across, False)
-        # the Ray call and the copy into the parameters
-        yield from self._call(replica.machine, self.cal.pull, nbytes, caller=True)
+
+    def _pull_all(self, replica: Replica, versions: list[int] | None, kind: str) -> Process:
+        """`ParameterServer.pull_into`: every shard's slice asked for at once, waited for
+        together, then taken and copied into the parameters one after another by the
+        replica's one thread (the caller's sides in turn, not side by side)."""
+        pulls = [self.env.process(self._pull(replica, s, versions, kind)) for s in self.shards]
+        yield self.env.all_of(pulls)
+        for nbytes in self.pull_bytes:
+            yield from self._call(replica.machine, self.cal.pull, nbytes, caller=True)
 
     def _apply(self, replica: Replica, shard: Shard, base_version: int) -> Process:
         nbytes = self.push_bytes[shard.index]
@@ -186,8 +193,7 @@ class ShardCalls:
 
     def _fetch(self, replica: Replica, versions: list[int]) -> Process:
         self.pulls += 1
-        pulls = [self.env.process(self._pull(replica, s, versions)) for s in self.shards]
-        yield self.env.all_of(pulls)
+        yield from self._pull_all(replica, versions, "pull")
 
     def _push(self, replica: Replica) -> Process:
         """A push from the compute thread (threads off, or a flush)."""
