@@ -66,6 +66,8 @@ def test_the_windows_name_each_examples_crop_and_flip(folder):
         assert torch.equal(pixels[index], whole.flip(-1) if flip else whole)
         flips += flip
     assert 0 < flips < len(data)
+    one = data.as_uint8()[5]  # an example alone: (pixels, label, window)
+    assert torch.equal(one[0], pixels[5]) and one[2].tolist() == windows[5].tolist()
 
 
 def test_resized_images_are_rounded_to_8_bits_first(folder):

@@ -139,8 +139,8 @@ def alexnet_config(root: Path, images: Path, loader_workers: int, uint8: bool) -
         "device": DEVICE,
         "num_threads": None,  # the config's 1 is per CPU worker
     }
-    config["data"] = {"dataset": "image_folder", "path": str(images), "image_size": 256}
-    config["data"]["crop"] = 227
+    config["data"] = {"dataset": "image_folder", "path": str(images)}
+    config["data"] |= {"image_size": 256, "crop": 227}  # Krizhevsky et al.'s crops
     config["loader"] = {"workers": loader_workers, "uint8": uint8}
     config["train"] |= {
         "strategy": "single",

@@ -193,9 +193,8 @@ class ImageDataset(Dataset):
         part.labels = self.labels[:num]
         return part
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.__getitems__([index])
-        return x[0], y[0]
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[0] for t in self.__getitems__([index]))
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         """(x (N, C, H, W) float32, y (N,)); in uint8 mode (x uint8, y, windows (N, 3))."""
