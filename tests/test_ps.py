@@ -177,3 +177,31 @@ def test_compressed_pushes_shrink_bytes_and_track_fp32(codec):
     sgd = torch.as_tensor(exact[0].values())
     drift = (torch.as_tensor(packed.values()) - sgd).abs().max() / sgd.abs().max()
     assert drift < 0.01  # error feedback: only the last residual is missing
+
+
+def test_shard_nodes_are_the_alive_ones_the_callers_first(monkeypatch):
+    """With backups, primary i goes to node i mod N of these (the caller's node first, as
+    `scaleout simulate` places shard i on machine i mod N); dead nodes and nodes without
+    the shards' resource are left out."""
+    import ray
+
+    from scaleout.ps.server import shard_nodes
+
+    def node(node_id, address, alive=True, **resources):
+        return {
+            "NodeID": node_id,
+            "NodeManagerAddress": address,
+            "Alive": alive,
+            "Resources": {"CPU": 1.0, **resources},
+        }
+
+    a, b, c, dead = (letter * 56 for letter in "abcd")  # node IDs: 28 bytes in hex
+    nodes = [
+        node(c, "10.0.0.3"),
+        node(b, "10.0.0.1", ps=100.0),
+        node(dead, "10.0.0.0", alive=False),
+        node(a, "10.0.0.2", ps=100.0),
+    ]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert shard_nodes(a) == [a, b, c]
+    assert shard_nodes(c, resource="ps") == [b, a]

@@ -112,6 +112,11 @@ class ParameterServer:
         keeper = spawn(BackupKeeper, num_cpus=0, node=here) if backups else None
         policy = BackupPolicy(keeper, resource) if backups else None
         ranges = shard_ranges(initial.numel(), num_shards)
+        # With backups, primary i on node i mod N, no other: Ray never restarts a primary
+        # (its backup takes over), and its "SPREAD" put both of two shards on one of two
+        # nodes in 4 runs of 4 one day (a soft node affinity is no help: Ray places an actor
+        # that asks for no resources on any node).
+        nodes = shard_nodes(here, resource) if backups else []
         shards = [
             spawn(
                 ParameterShard,
@@ -126,6 +131,7 @@ class ParameterServer:
                 num_cpus=0,
                 max_restarts=0 if backups else max_restarts,
                 resource=resource,
+                node=nodes[i % len(nodes)] if len(nodes) > 1 else None,
             )
             for i, (start, stop) in enumerate(ranges)
         ]
@@ -319,3 +325,16 @@ class ParameterServer:
         for push in self._unacked[slot]:  # in their order, before anything else of ours
             self._send(push)
             self.resent += 1
+
+
+def shard_nodes(caller: str, resource: str | None = None) -> list[str]:
+    """The alive nodes that can hold a shard (offering `resource` when set): the caller's
+    first, then by address. Shard i on node i mod their count spreads the shards evenly,
+    where `scaleout simulate` puts them."""
+    alive = [
+        n
+        for n in ray.nodes()
+        if n.get("Alive") and (resource is None or n["Resources"].get(resource))
+    ]
+    alive.sort(key=lambda n: (n["NodeID"] != caller, n["NodeManagerAddress"], n["NodeID"]))
+    return [n["NodeID"] for n in alive]
