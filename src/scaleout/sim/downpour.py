@@ -42,7 +42,8 @@ machine as calibrated.
 
 Placement: `--machines 1` puts every replica and shard on one machine, as `scaleout train`
 does here. On N > 1 machines each machine runs one replica (`run.num_threads` threads),
-so there are N replicas, and shard i sits on machine i mod N (Ray spreads them), where it
+so there are N replicas, and shard i sits on machine i mod N (Ray spreads them; with backups
+the server puts primary i there), where it
 shares the cores and the link with that machine's replica; its backup on the next shard's
 machine (Ray picks another node), or the next machine when that is its own.
 
