@@ -94,11 +94,12 @@ class Worker(WorkerState, OnShards):
         seed = job.run.seed
         torch.manual_seed(seed)
         train_set, self.test_set = job.build_data()
-        model = job.build_model(data_part(train_set, role.replica, role.num_replicas))
-        model = model.to(self.device)
-        # What the loader reads: 8-bit pixels on CUDA (`loader.uint8`), finished on the device.
-        train_set, self.finish_batch = job.loader.with_uint8(train_set, self.device)
         self.train_set = data_part(train_set, role.replica, role.num_replicas)
+        model = job.build_model(self.train_set).to(self.device)
+        # What the loader reads: 8-bit pixels on CUDA (`loader.uint8`), finished on the device.
+        shipped, self.finish_batch = job.loader.with_uint8(train_set, self.device)
+        if shipped is not train_set:
+            self.train_set = data_part(shipped, role.replica, role.num_replicas)
         self.objective = objective_for(model, job.loss_fn(), self.test_set)
         self.layerwise = isinstance(self.objective, Layerwise)
         if role.grid is not None:
