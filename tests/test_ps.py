@@ -185,7 +185,7 @@ def test_shard_nodes_are_the_alive_ones_the_callers_first(monkeypatch):
     the shards' resource are left out."""
     import ray
 
-    from scaleout.ps.server import shard_nodes
+    from scaleout.ps.backup import shard_nodes
 
     def node(node_id, address, alive=True, **resources):
         return {

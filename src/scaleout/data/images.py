@@ -85,7 +85,6 @@ class ImageDataset(Dataset):
         if first is None:
             raise DataError(f"{type(self).__name__}: the data set holds no images")
         self.stored_shape: tuple[int, ...] = tuple(first.shape)  # (C, H, W) before cropping
-        self.stored_uint8 = self.pixels(0).dtype == torch.uint8
         if crop is not None and crop > min(self.stored_shape[1:]):
             raise DataError(
                 f"data.crop = {crop} is larger than the images ({self.stored_shape[1]}x"
@@ -117,6 +116,11 @@ class ImageDataset(Dataset):
     def input_shape(self) -> tuple[int, ...]:
         channels, height, width = self.stored_shape
         return (channels, self.crop, self.crop) if self.crop else (channels, height, width)
+
+    @property
+    def stored_uint8(self) -> bool:
+        """Whether the images are stored as 8-bit pixels (read when asked: a decode)."""
+        return self.pixels(0).dtype == torch.uint8
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -150,12 +150,9 @@ class BackupLink:
         left out."""
         now = time.monotonic()
         candidates = [
-            n["NodeID"]
-            for n in ray.nodes()
-            if n.get("Alive")
-            and n["NodeID"] != node
-            and self.shunned.get(n["NodeID"], 0.0) < now
-            and (self.policy.resource is None or n["Resources"].get(self.policy.resource))
+            n
+            for n in shard_nodes(node, self.policy.resource)
+            if n != node and self.shunned.get(n, 0.0) < now
         ]
         random.shuffle(candidates)
         return candidates
@@ -163,3 +160,16 @@ class BackupLink:
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr)
+
+
+def shard_nodes(caller: str, resource: str | None = None) -> list[str]:
+    """The alive nodes that can hold a shard or a backup (offering `resource` when set): the
+    caller's first, then by address. Primary i on node i mod their count spreads the shards
+    evenly, where `scaleout simulate` puts them; a backup goes to one of the others."""
+    alive = [
+        n
+        for n in ray.nodes()
+        if n.get("Alive") and (resource is None or n["Resources"].get(resource))
+    ]
+    alive.sort(key=lambda n: (n["NodeID"] != caller, n["NodeManagerAddress"], n["NodeID"]))
+    return [n["NodeID"] for n in alive]

@@ -24,7 +24,7 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayT
 
 from scaleout.compress import CompressSection
 from scaleout.nn.optim import OptimizerOptions
-from scaleout.ps.backup import BackupKeeper, BackupPolicy
+from scaleout.ps.backup import BackupKeeper, BackupPolicy, shard_nodes
 from scaleout.ps.layout import shard_ranges
 from scaleout.ps.shard import ParameterShard, ShardLost
 from scaleout.ps.wire import Wire
@@ -325,16 +325,3 @@ class ParameterServer:
         for push in self._unacked[slot]:  # in their order, before anything else of ours
             self._send(push)
             self.resent += 1
-
-
-def shard_nodes(caller: str, resource: str | None = None) -> list[str]:
-    """The alive nodes that can hold a shard (offering `resource` when set): the caller's
-    first, then by address. Shard i on node i mod their count spreads the shards evenly,
-    where `scaleout simulate` puts them."""
-    alive = [
-        n
-        for n in ray.nodes()
-        if n.get("Alive") and (resource is None or n["Resources"].get(resource))
-    ]
-    alive.sort(key=lambda n: (n["NodeID"] != caller, n["NodeManagerAddress"], n["NodeID"]))
-    return [n["NodeID"] for n in alive]
