@@ -157,16 +157,26 @@ def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
 @pytest.mark.slow
 def test_threaded_replicas_survive_a_killed_shard_and_a_killed_replica(ray_session, tmp_path):
     """The fault paths with fetch and push threads: a shard SIGKILLed (no backup: Ray
-    restarts it from its checkpoint) and a replica SIGKILLed (restarted); the run ends."""
-    path = write_config(tmp_path, steps=800, replicas=2)
-    downpour = driver(path, "downpour.threads=true", "downpour.shard_backups=0", "train.lr=0.02")
+    restarts it from its checkpoint) and a replica SIGKILLed (restarted); the run ends,
+    about as accurate as the same run without faults.
+
+    Against a fault-free run rather than a fixed bar: this asynchronous run's final accuracy
+    spreads by about +-1.5 points from run to run (0.870-0.904 with the faults, 0.883-0.899
+    without), so a fixed 0.88 failed runs whose faults had cost nothing."""
+    options = dict(steps=800, replicas=2)
+    overrides = ("downpour.threads=true", "downpour.shard_backups=0", "train.lr=0.02")
+    reference = driver(write_config(tmp_path, "reference", **options), *overrides).train()
+    downpour = driver(write_config(tmp_path, **options), *overrides)
     kill_when(downpour, 200, lambda: downpour.strategy.lanes.servers[0][0].info()[0]["pid"])
     kill_when(downpour, 450, lambda: downpour.strategy.replicas[1].pid())
     result = downpour.train()
     assert result.step == 800
     assert result.summary["shard_restarts"] == 1
+    assert 0 <= result.summary["shard_updates_lost"] <= 20  # shard_checkpoint_every
     assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 1
-    assert result.summary["final_test_accuracy"] > 0.88
+    accuracy = result.summary["final_test_accuracy"]
+    assert accuracy > 0.85
+    assert accuracy > reference.summary["final_test_accuracy"] - 0.03
     pushes = read_metrics(downpour.run_dir.path / PUSHES_FILE)
     assert pushes and all(p["threads"] is True for p in pushes)
 
