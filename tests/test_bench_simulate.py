@@ -77,6 +77,8 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     import contextlib
     from pathlib import Path
 
+    import torch
+
     import scaleout.runtime
     from scaleout.sim import calibrate as cal_module
     from scaleout.sim.calibration import Calibration, CodecCost, MessageCost
@@ -106,7 +108,20 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
         "measure_average": lambda sizes: fresh["b"],
         "measure_exchange": lambda: fresh["c"],
         "measure_shard_messages": lambda apply_ns, sizes: (fresh["d"], fresh["e"], 0.5),
+        "measure_collect": lambda: (2e-4, 5e-5),
+        "measure_zero": lambda: 3e10,
     }
+    threads_seen = {}
+
+    def at_threads(name, fake):
+        def call(*args):
+            threads_seen[name] = torch.get_num_threads()
+            return fake(*args)
+
+        return call
+
+    for name in ("measure_shard_messages", "measure_collect"):
+        fakes[name] = at_threads(name, fakes[name])
     for name, fake in fakes.items():
         monkeypatch.setattr(cal_module, name, measure(name, fake))
     monkeypatch.setattr(scaleout.runtime, "session", lambda **_: contextlib.nullcontext())
@@ -117,9 +132,20 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
 
     downpour = cal_module.recalibrate(start, [case("downpour 2x2, 8-bit pushes")])
     assert sorted(measured) == sorted(
-        ["measure_model", "measure_codecs", "measure_apply", "measure_shard_messages"]
+        [
+            "measure_model",
+            "measure_codecs",
+            "measure_apply",
+            "measure_shard_messages",
+            "measure_collect",
+            "measure_zero",
+        ]
     )
     assert (downpour.pull, downpour.push) == (fresh["d"], fresh["e"])
+    # the calls as a replica of one thread makes them, as `calibrate` measures them
+    assert threads_seen == {"measure_shard_messages": 1, "measure_collect": 1}
+    assert (downpour.collect_s, downpour.collect_shard_s) == (2e-4, 5e-5)
+    assert downpour.zero_bytes_per_s == 3e10
     assert downpour.apply_ns == {"sgd": 9.0} and downpour.idle_cores == 0.5
     assert downpour.codecs["dynamic8"] == codec
     assert downpour.allreduce == start.allreduce and downpour.exchange == start.exchange
@@ -221,3 +247,13 @@ def test_a_case_that_cannot_run_is_left_out_and_the_others_count(monkeypatch, tm
     assert len(scored) == len(local) - 1 and not any(failing in row.name for row in scored)
     assert all(row.value == pytest.approx(10.0) for row in scored)  # 110 against 100
     assert any(note.startswith(f"{failing}: left out, 4 runs") for note in result.notes)
+
+
+def test_collecting_a_push_is_measured_through_a_real_client(ray_session):
+    """`measure_collect` drives a real `ReplicaClient`: a few hundred microseconds a push
+    on this machine, none of it waiting for the shards (they applied the push first)."""
+    from scaleout.sim.measure_calls import measure_collect
+
+    fixed, per_shard = measure_collect(numel=4096, pushes=20, warmup=3)
+    assert fixed >= 0 and per_shard >= 0
+    assert 0 < fixed + 4 * per_shard < 0.02

@@ -275,6 +275,28 @@ def test_one_replica_one_shard_closed_form():
     assert result.wire_bytes == 0  # one machine: nothing crosses a network
 
 
+def test_a_push_collects_the_last_ones_answers_and_zeroes_its_gradient():
+    """`ReplicaClient.push` beyond its calls: the previous push's answers collected (a
+    fixed part and one per shard) and the gradient buffer zeroed, each step, priced from
+    the calibration; the closed form above plus those."""
+    cfg = config(steps=20, num_shards=2)
+    plain = calibration(cfg)
+    extra = dict(collect_s=1e-3, collect_shard_s=4e-4, zero_bytes_per_s=1e8)
+    priced = plain.model_copy(update=extra)
+    before = DownpourSim(cfg, Setting(plain, machines=1)).run().run_s
+    after = DownpourSim(cfg, Setting(priced, machines=1)).run().run_s
+    collect = 1e-3 + 2 * 4e-4  # every push but the first finds the previous one pending
+    zero = 4 * NUM_PARAMETERS / 1e8
+    assert priced.collect_push_s(2) == pytest.approx(collect)
+    # The shards apply the push while the replica zeroes: the next fetch, which waited
+    # `apply` behind it at the shards, now waits for the zeroing instead (zero > apply).
+    sim = DownpourSim(cfg, Setting(plain, machines=1))
+    (_, _), (callee, _) = plain.push.sides(sim.push_bytes[0])
+    apply = callee + plain.apply_s("adagrad", sim.shards[0].numel)
+    assert sim.push_bytes[0] == sim.push_bytes[1] and zero > apply
+    assert after - before == pytest.approx(19 * collect + 20 * zero - 19 * apply, rel=1e-9)
+
+
 def test_a_pull_after_a_push_waits_for_it_at_the_shard():
     """Ray runs one caller's calls to an actor in the order they were made: a pull sent
     right after a push to a shard across a slow link starts at the shard once the push's

@@ -11,10 +11,11 @@ box drifts):
   applies a push);
 - each codec's encode and decode, ns per value, by message size;
 - calls between processes (`measure_calls`): a pull and a push through a real one-shard
-  `ParameterServer` on Ray, and a gloo all-reduce between two processes, at fixed sizes and
-  at the sizes the configs send, in wall time and in the core-seconds all of the machine's
-  processes spend on them (a call keeps more than one core busy, which a loaded machine
-  feels); a model-parallel exchange between two processes by size;
+  `ParameterServer` on Ray (and what a replica's push adds: collecting the previous push's
+  answers, zeroing its gradient buffer), and a gloo all-reduce between two processes, at
+  fixed sizes and at the sizes the configs send, in wall time and in the core-seconds all
+  of the machine's processes spend on them (a call keeps more than one core busy, which a
+  loaded machine feels); a model-parallel exchange between two processes by size;
 - what such a collective costs beyond that after the ranks computed for a while
   (`measure_lockstep`: waiting for the slower rank, gloo's threads waking up);
 - sync's weight averaging (`average_tensors`) between two processes by size;
@@ -43,6 +44,7 @@ from scaleout.sim.measure_calls import (
     average_sizes,
     measure_allreduce,
     measure_average,
+    measure_collect,
     measure_exchange,
     measure_shard_messages,
     shard_message_sizes,
@@ -114,6 +116,13 @@ def measure_flatten(numel: int = 4_000_000, pieces: int = 8) -> float:
     return 4 * numel / timed(local_part, repeats=7, warmup=2)
 
 
+def measure_zero(numel: int = 4_000_000) -> float:
+    """Bytes per second of zeroing a gradient buffer, one thread (a replica's after each
+    push)."""
+    buffer = torch.ones(numel)
+    return 4 * numel / timed(buffer.zero_, repeats=7, warmup=2)
+
+
 def measure_checkpoint(numel: int = 4_000_000) -> float:
     """Bytes per second of an atomic, verified checkpoint write."""
     from scaleout.checkpoint import save_checkpoint
@@ -172,26 +181,31 @@ def recalibrate(
     strategies = {config.train.strategy for config in configs}
     shards = bool(strategies & {"downpour", "sandblaster"})  # a parameter server's calls
     codecs = sorted({config.compress.codec for config in configs} - {"fp32"})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as `calibrate` measures them: a shard's and a codec's thread
-    try:
-        if codecs:
-            fresh.codecs.update(measure_codecs(names=codecs))
-        if shards:
-            fresh.apply_ns = measure_apply()
-    finally:
-        torch.set_num_threads(threads)
     if "sync" in strategies:
         fresh.allreduce = measure_allreduce(allreduce_sizes(configs, fresh.models))
         fresh.average = measure_average(average_sizes(configs, fresh.models))
     if "model_parallel" in strategies:
         fresh.exchange = measure_exchange()
-    if shards:
-        with session(num_cpus=cores):
-            sizes = shard_message_sizes(configs, fresh.models)
-            fresh.pull, fresh.push, fresh.idle_cores = measure_shard_messages(
-                fresh.apply_ns["sgd"], sizes
-            )
+    threads = torch.get_num_threads()
+    # As `calibrate` measures them: a shard's and a codec's one thread, and a caller of one
+    # thread like a replica's (`run.num_threads = 1`). With torch's default threads here, a
+    # pull's copy woke a second thread that spun after it: the caller's side measured 4.2
+    # core-ms a call at 0.4 MB against 1.2 at one thread.
+    torch.set_num_threads(1)
+    try:
+        if codecs:
+            fresh.codecs.update(measure_codecs(names=codecs))
+        if shards:
+            fresh.apply_ns = measure_apply()
+            fresh.zero_bytes_per_s = measure_zero()
+            with session(num_cpus=cores):
+                sizes = shard_message_sizes(configs, fresh.models)
+                fresh.pull, fresh.push, fresh.idle_cores = measure_shard_messages(
+                    fresh.apply_ns["sgd"], sizes
+                )
+                fresh.collect_s, fresh.collect_shard_s = measure_collect()
+    finally:
+        torch.set_num_threads(threads)
     return fresh
 
 
@@ -225,10 +239,12 @@ def calibrate(
     say("checkpoint writes")
     checkpoint = measure_checkpoint()
     flatten = measure_flatten()
+    zero = measure_zero()
     say("pulls and pushes through a parameter-server shard")
     with session(num_cpus=cores):
         sizes = shard_message_sizes(configs, models)
         pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
+        collect = measure_collect()
     return Calibration(
         host=socket.gethostname(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -244,6 +260,9 @@ def calibrate(
         lockstep=lockstep,
         checkpoint_bytes_per_s=checkpoint,
         flatten_bytes_per_s=flatten,
+        collect_s=collect[0],
+        collect_shard_s=collect[1],
+        zero_bytes_per_s=zero,
         idle_cores=idle_cores,
         notes={
             "torch": torch.__version__,

@@ -247,6 +247,13 @@ class Calibration(_Model):
     # flatten a list of tensors, scale it and copy it back (sync "average" mode's work
     # around its all-reduce, one process alone), bytes of the tensors per second
     flatten_bytes_per_s: PositiveFloat = 1e9
+    # A replica's push beyond its calls (`ReplicaClient.push`): collecting the previous,
+    # applied push's answers (`collect_s + shards * collect_shard_s`: a `ray.get` per shard
+    # and the push's record) and zeroing its gradient buffer (bytes per second). Zero and
+    # None: a file from before they were measured, or a hardware file: nothing priced.
+    collect_s: float = Field(default=0.0, ge=0)
+    collect_shard_s: float = Field(default=0.0, ge=0)
+    zero_bytes_per_s: PositiveFloat | None = None
     # cores that Ray's own processes (raylet, GCS, workers' heartbeats) keep busy when idle
     idle_cores: float = Field(default=0.0, ge=0)
     link: LinkCost | None = None  # testnet hosts, when they were given
@@ -327,6 +334,14 @@ class Calibration(_Model):
                 "calibrate` (it measures every codec)"
             )
         return self.codecs[codec].seconds(numel, which)
+
+    def collect_push_s(self, shards: int) -> float:
+        """A replica's seconds to collect one applied push's answers from `shards` shards."""
+        return self.collect_s + shards * self.collect_shard_s
+
+    def zero_s(self, numel: int) -> float:
+        """Seconds to zero a gradient buffer of `numel` fp32 values (0: not measured)."""
+        return 0.0 if self.zero_bytes_per_s is None else 4 * numel / self.zero_bytes_per_s
 
     def apply_s(self, optimizer: str, numel: int) -> float:
         if optimizer not in self.apply_ns:

@@ -10,15 +10,17 @@ What runs, as the library runs it:
   finish their chunks and wait for the driver (no chunk is handed out meanwhile: the
   role "evaluation pauses");
 - a replica (`ReplicaClient`, threads off) fetches every `n_fetch` steps from all shards at
-  once, computes a step, and every `n_push` steps waits until its previous push is applied,
-  encodes its gradient per shard, puts it into the object store and goes on;
+  once, computes a step, and every `n_push` steps waits until its previous push is applied
+  and collects its answers, encodes its gradient per shard, puts it into the object store,
+  zeroes its gradient buffer and goes on;
 - with `downpour.threads` (`ps.client._Pipeline`) a replica's fetch and push run in threads
   of their own beside its compute, on its machine's cores: the fetch thread pulls all shards
   whenever `n_fetch` steps have passed since it was last asked, into a buffer the compute
   thread copies in before its next step (and waits for after `2 * n_fetch` steps on the same
   parameters); every `n_push` steps the compute thread copies its gradient into a queue of
-  two that the push thread sends from (encode, a call per shard) without waiting for the
-  shards to apply it. Every replica's threads start with the run and fetch once;
+  two (and zeroes it) that the push thread sends from (encode, a call per shard) without
+  waiting for the shards to apply it, collecting the answers of the pushes applied by
+  then. Every replica's threads start with the run and fetch once;
 - a shard (`ParameterShard`) is one actor: pulls and pushes queue and are served one at a
   time on its machine's cores (decode, optimizer step); it checkpoints every
   `shard_checkpoint_every` updates. One replica's calls to a shard run in the order it made

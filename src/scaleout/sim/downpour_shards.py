@@ -35,6 +35,7 @@ class ShardCalls:
     train: Any  # TrainSection
     shards: list[Shard]
     scale: float
+    numel: int
     pull_bytes: list[int]
     push_bytes: list[int]
     push_codecs: list[str]
@@ -196,11 +197,16 @@ class ShardCalls:
         yield from self._pull_all(replica, versions, "pull")
 
     def _push(self, replica: Replica) -> Process:
-        """A push from the compute thread (threads off, or a flush)."""
-        if replica.pending:  # the previous push must be applied first (`_collect(wait=True)`)
+        """A push from the compute thread (threads off, or a flush): the previous push
+        applied and its answers collected (`_collect(wait=True)`), the gradient sent, its
+        buffer zeroed."""
+        machine = self.cluster.machines[replica.machine]
+        if replica.pending:
             yield self.env.all_of(replica.pending)
+            yield from machine.work(self.cal.collect_push_s(len(replica.pending)))
         replica.pending = []
         yield from self._send(replica, list(replica.versions))
+        yield from machine.work(self.cal.zero_s(self.numel))
 
     def _send(self, replica: Replica, versions: list[int]) -> Process:
         """Encode the gradient per shard and put each slice into the object store; the

@@ -79,8 +79,15 @@ class ReplicaThreads:
                 threads.fresh.succeed()
 
     def _push_thread(self, replica: Replica, threads: Threads) -> Process:
+        """Sends each queued gradient, then collects the answers of the pushes applied
+        by then (`_collect(wait=False)`: in a steady run the previous one)."""
+        machine = self.cluster.machines[replica.machine]
         while (versions := (yield threads.outbox.get())) is not None:
+            applied = [p for p in replica.pending if p.triggered]
             yield from self._send(replica, versions)
+            if applied:
+                yield from machine.work(self.cal.collect_push_s(len(applied)))
+                replica.pending = [p for p in replica.pending if p not in applied]
         threads.stopped.succeed()
 
     def _adopt(self, replica: Replica, threads: Threads) -> Process:
@@ -108,6 +115,7 @@ class ReplicaThreads:
 
     def _hand_over(self, replica: Replica, threads: Threads) -> Process:
         """The compute thread's push: a copy of the gradient into the push thread's queue
-        (waiting while two are queued)."""
+        (waiting while two are queued), its buffer zeroed."""
         yield from self._copy(replica)
+        yield from self.cluster.machines[replica.machine].work(self.cal.zero_s(self.numel))
         yield threads.outbox.put(list(replica.versions))

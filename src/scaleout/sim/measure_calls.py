@@ -177,6 +177,43 @@ def measure_shard_messages(
     return message_cost(nbytes, pulls), message_cost(nbytes, pushes), statistics.median(idles)
 
 
+def measure_collect(
+    shard_counts: Sequence[int] = (1, 4), numel: int = 65_536, pushes: int = 60, warmup: int = 10
+) -> tuple[float, float]:
+    """(seconds per push, seconds per shard) a replica spends collecting the answers of a
+    push the shards have applied: `ReplicaClient._collect` as its next push calls it (a
+    `ray.get` per shard, the staleness and the push's record), measured through a real
+    client and server with 1 and with 4 shards, a line through the two. Priced apart from
+    the push's calls: a call's measurement settles its push at once, waiting for it."""
+    import ray
+    from torch import nn
+
+    from scaleout.ps import ParameterServer
+    from scaleout.ps.client import ReplicaClient
+    from scaleout.train.config import TrainSection
+
+    medians = []
+    for count in shard_counts:
+        param = nn.Parameter(torch.zeros(numel))
+        server = ParameterServer.create(torch.zeros(numel), count, TrainSection(optimizer="sgd"))
+        try:
+            client = ReplicaClient([([param], server)])
+            times = []
+            for _ in range(warmup + pushes):
+                client.push()
+                futures = [p.future for ps, _ in client._pending for _, lane in ps for p in lane]
+                ray.wait(futures, num_returns=len(futures))  # every shard has applied it
+                started = time.perf_counter()
+                client._collect(wait=True)  # what the next push calls first
+                times.append(time.perf_counter() - started)
+            client.take_records()
+            medians.append(statistics.median(times[warmup:]))
+        finally:
+            server.kill()
+    fixed, per_shard = fit_line(list(shard_counts), medians)
+    return max(fixed, 0.0), max(per_shard, 0.0)
+
+
 def _per_call(once: Callable[[], None]) -> tuple[float, float]:
     """Mean wall seconds of `once()` (a collective of two gloo ranks) and this process's CPU
     seconds per call, gloo's threads included: both ranks make as many calls, enough for
