@@ -189,8 +189,8 @@ def recalibrate(
     threads = torch.get_num_threads()
     # As `calibrate` measures them: a shard's and a codec's one thread, and a caller of one
     # thread like a replica's (`run.num_threads = 1`). With torch's default threads here, a
-    # pull's copy woke a second thread that spun after it: the caller's side measured 4.2
-    # core-ms a call at 0.4 MB against 1.2 at one thread.
+    # pull's copy woke a second thread that spun after it: the caller's side measured
+    # 3.4-3.7 core-ms a call at 0.4 MB against 1.0 at one thread.
     torch.set_num_threads(1)
     try:
         if codecs:
