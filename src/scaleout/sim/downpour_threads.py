@@ -83,8 +83,8 @@ class ReplicaThreads:
         by then (`_collect(wait=False)`: in a steady run the previous one)."""
         machine = self.cluster.machines[replica.machine]
         while (versions := (yield threads.outbox.get())) is not None:
-            applied = [p for p in replica.pending if p.triggered]
             yield from self._send(replica, versions)
+            applied = [p for p in replica.pending if p.triggered]
             if applied:
                 yield from machine.work(self.cal.collect_push_s(len(applied)))
                 replica.pending = [p for p in replica.pending if p not in applied]
