@@ -144,6 +144,35 @@ def test_killed_replica_is_restarted_and_training_completes(ray_session, tmp_pat
 
 
 @pytest.mark.slow
+def test_replica_dead_before_an_evaluation_is_restarted_and_another_answers(ray_session, tmp_path):
+    """A replica that died unnoticed (with its node, say) right before an evaluation: the
+    evaluation finds it dead, handles it as a failed replica and asks the next one (the run
+    used to end with Ray's ActorUnavailableError when a testnet host was killed)."""
+    reference = driver(write_config(tmp_path, "reference")).train().summary
+    downpour = driver(write_config(tmp_path))
+    strategy, evaluate, killed = downpour.strategy, downpour.strategy.evaluate, []
+
+    def kill_replica_0_then_evaluate():
+        if not killed:
+            pid = strategy.replicas[0].pid()
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while alive({pid}) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            killed.append(pid)
+        return evaluate()
+
+    strategy.evaluate = kill_replica_0_then_evaluate
+    result = downpour.train()
+    assert killed and result.step == 400
+    assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 1
+    accuracy = result.summary["final_test_accuracy"]  # a replica's chunk lost, and restarted
+    assert accuracy > 0.85 and accuracy > reference["final_test_accuracy"] - 0.03
+    failure = load_checkpoint(downpour.run_dir.checkpoints.latest())[1]["failures"][0]
+    assert failure["replica"] == 0 and failure["kind"] == "died" and failure["restarted"]
+
+
+@pytest.mark.slow
 def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
     downpour = driver(write_config(tmp_path, steps=600), "downpour.shard_backups=0")
     kill_when(downpour, 200, lambda: downpour.strategy.lanes.servers[0][0].info()[0]["pid"])
@@ -297,12 +326,15 @@ def test_cli_interrupt_resume_and_no_process_left(tmp_path):
 @pytest.mark.slow
 def test_three_thread_replicas_train(ray_session, tmp_path):
     """Fetch, compute and push in three threads per replica (the paper's appendix)."""
-    # Pipelined replicas push gradients of staler parameters: a smaller step size.
-    downpour = driver(write_config(tmp_path, steps=800), "downpour.threads=true", "train.lr=0.02")
+    # Pipelined replicas push gradients of staler parameters: a smaller step size, and more
+    # steps. At 800 steps runs end at 0.8795-0.9045 (CI failed one at 0.8795); at 1600 at
+    # 0.8995-0.921 (6 seeds), clear of the bar.
+    steps = 1600
+    downpour = driver(write_config(tmp_path, steps=steps), "downpour.threads=true", "train.lr=0.02")
     result = downpour.train()
-    assert result.step == 800 and result.summary["final_test_accuracy"] > 0.88
+    assert result.step == steps and result.summary["final_test_accuracy"] > 0.88
     pushes = read_metrics(downpour.run_dir.path / PUSHES_FILE)
-    assert len(pushes) == pytest.approx(800 / 2, abs=4)
+    assert len(pushes) == pytest.approx(steps / 2, abs=4)
     assert all(p["staleness"] is not None and p["updates_lost"] == 0 for p in pushes)
 
 

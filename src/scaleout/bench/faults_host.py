@@ -161,7 +161,10 @@ def lose_a_shard_host(
             time.sleep(0.2)
         killed = cluster.kill_host(victim)
         if run.wait(timeout=600) != 0:
-            raise RuntimeError(f"the run did not survive the host's loss: {''.join(rest)[-800:]}")
+            output = "".join(rest)
+            # From the run's last traceback on: its first frame names the call that failed.
+            failure = output[max(output.rfind("Traceback (most recent call last)"), 0) :]
+            raise RuntimeError(f"the run did not survive the host's loss: {failure}")
         lost_s = time.perf_counter() - started
     return HostLoss(
         [last_meta(root / "runs" / name) for name in names[:-1]],

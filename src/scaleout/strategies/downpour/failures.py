@@ -95,6 +95,26 @@ class ReplicaFailures:
             if not any(self.alive):
                 raise UserError("every Downpour replica failed; see the messages above")
 
+    def _first_alive(self) -> Replica:
+        self._settle_starting(wait=True)  # a replica answers once it is attached
+        return next(r for r, ok in zip(self.replicas, self.alive, strict=True) if ok)
+
+    def _ask_first_alive(self, method: str, *args: Any, doing: str) -> list[Any]:  # noqa: ANN401
+        """The first live replica's answers to `method`, one per worker: an evaluation, the
+        state for a checkpoint or a phase. A replica that died since it last answered (with
+        its node, say, just before an evaluation) fails here first: it is handled as a
+        failed replica (its chunk in flight lost, restarted up to `downpour.max_restarts`),
+        and the next live one, or the restarted one once attached, is asked."""
+        while True:
+            replica = self._first_alive()
+            try:
+                return replica.call(method, *args, doing=doing)
+            except RayActorError as error:
+                replica_id = self.replicas.index(replica)
+                _, steps = self.in_flight.pop(replica_id, (None, 0))
+                self.assigned -= steps
+                self._replica_failed(replica_id, steps, error)
+
     def _settle_starting(self, wait: bool) -> None:
         """Move restarted replicas on: once started, give them the layers trained so far
         (layer-wise) and attach them to the shards; once attached, they take chunks."""

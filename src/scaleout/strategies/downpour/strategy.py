@@ -230,8 +230,8 @@ class Downpour(ReplicaFailures):
         self.phase = phase
         assert self._plan is not None
         if self._plan.phase_steps and phase > 0 and fresh:  # for replicas restarted later
-            self.weights = self._first_alive().call("state", doing="starting a phase")[0][0]
-        initial = self._first_alive().call("begin_phase", phase, fresh, doing="starting a phase")
+            self.weights = self._ask_first_alive("state", doing="starting a phase")[0][0]
+        initial = self._ask_first_alive("begin_phase", phase, fresh, doing="starting a phase")
         self.lanes.start(phase, initial)
         attach = [
             (r, replica.submit_each("attach", self._attach_args(replica, fresh)))
@@ -391,16 +391,12 @@ class Downpour(ReplicaFailures):
         }
         return fields
 
-    def _first_alive(self) -> Replica:
-        self._settle_starting(wait=True)  # a replica answers once it is attached
-        return next(r for r, ok in zip(self.replicas, self.alive, strict=True) if ok)
-
     def evaluate(self) -> dict[str, float]:
-        return self._first_alive().call("evaluate", doing="evaluating")[0]
+        return self._ask_first_alive("evaluate", doing="evaluating")[0]
 
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         self.lanes.checkpoint()
-        tensors, meta = self._first_alive().call("state", doing="checkpointing")[0]
+        tensors, meta = self._ask_first_alive("state", doing="checkpointing")[0]
         meta.update(
             positions=self.positions,
             restarts=self.restarts,
