@@ -88,9 +88,18 @@ def test_two_workers_on_two_machines_equal_the_closed_form():
     expected = [expected_step(schedule, k, bandwidth, latency, [0, 1]) for k in range(3)]
     assert result.extra["stack_step_s"] == pytest.approx(expected, rel=1e-6)
     assert result.step_s == pytest.approx(sum(expected) / 3, rel=1e-6)
-    # what crossed the wire: every stack's exchanges once, and the sums' ring
+    # what crossed the wire: every stack's exchanges once, and the sums' ring; then every
+    # stack's evaluation (its forward exchanges on the test set) and its sums' ring
     sums = 3 * 2 * 2 * 8
-    assert result.wire_bytes == sum(schedule.bytes_per_step(k) for k in range(3)) + sums
+    evaluations = sum(
+        sum(item.pairs.values())
+        for k in range(3)
+        for item in schedule.forward(k, cfg.data.num_test)
+        if isinstance(item, Move)
+    )
+    assert result.wire_bytes == sum(schedule.bytes_per_step(k) for k in range(3)) + sums + (
+        evaluations + sums
+    )
 
 
 def test_a_calibrated_lockstep_delays_every_exchange_after_compute():
@@ -130,7 +139,50 @@ def test_one_worker_has_no_exchanges():
     ]
     assert result.extra["stack_step_s"] == pytest.approx(expected, rel=1e-6)
     assert result.wire_bytes == 0 and result.local_bytes == 0
-    assert result.examples_per_s == pytest.approx(cfg.train.batch_size * 3 / sum(expected))
+    assert result.step_s == pytest.approx(sum(expected) / 3)
+
+
+def test_evaluations_and_checkpoints_between_the_stacks_equal_the_closed_form():
+    """5 steps per stack (evaluations and checkpoints every 500): the driver evaluates and
+    checkpoints at each stack's end; those of stacks 1 and 2 come before the last metrics
+    line's stamp, the last stack's after it. An evaluation is the forward pass over the
+    test set (1024 examples, one batch) at the FLOP rate; a checkpoint the filters and
+    their momentum at `checkpoint_bytes_per_s`."""
+    cfg = config((1, 1))
+    cal = hardware()
+    result = ModelParallelSim(cfg, Setting(cal, steps=5)).run()
+    schedule = GreedySchedule(cfg)
+    steps = [
+        schedule.step_flops(k) / RATE + sum(schedule.own_numel[k]) * APPLY_NS * 1e-9
+        for k in range(3)
+    ]
+    evaluations = [schedule.forward_flops(k, cfg.data.num_test) / RATE for k in range(3)]
+    assert result.extra["stack_eval_s"] == pytest.approx(evaluations, rel=1e-6)
+    checkpoint = 4 * sum(map(sum, schedule.own_numel)) * 2 / cal.checkpoint_bytes_per_s
+    stamped = 5 * sum(steps) + evaluations[0] + evaluations[1] + 2 * checkpoint
+    assert result.examples_per_s == pytest.approx(15 * cfg.train.batch_size / stamped)
+    assert result.run_s == pytest.approx(stamped + evaluations[2] + checkpoint)
+
+
+def test_a_measured_evaluation_prices_each_stacks_evaluation():
+    """With this model measured, one worker's evaluation of stack k takes exactly the
+    measured seconds per test example of stack k's evaluation, times the test set."""
+    from scaleout.sim.calibration import ModelCost
+    from scaleout.sim.measuring import model_key
+
+    cfg = config((1, 1))
+    cost = ModelCost(
+        num_parameters=1000,
+        batch_size=64,
+        train_s={1: 1e-4},
+        phase_s=[1e-4, 2e-4, 3e-4],
+        eval_s=1e-5,
+        phase_eval_s=[1e-5, 2e-5, 4e-5],
+        test_size=1024,
+    )
+    cal = hardware().model_copy(update={"models": {model_key(cfg): cost}})
+    result = ModelParallelSim(cfg, Setting(cal, steps=5)).run()
+    assert result.extra["stack_eval_s"] == pytest.approx([0.01024, 0.02048, 0.04096], rel=1e-6)
 
 
 def test_workers_of_one_machine_share_its_cores():
@@ -194,3 +246,13 @@ def test_ding_hardware_reproduces_the_columns_it_was_fitted_to():
         assert table[gpus_loading] == pytest.approx(DING_TABLE_1[gpus_loading], rel=1e-3)
     assert table[(2, True)] < table[(1, True)] and table[(2, False)] < table[(1, False)]
     assert table[(2, True)] < table[(2, False)]
+
+
+def test_an_evaluation_of_every_stack_is_measured():
+    """The calibration times each stack's evaluation as a worker runs it (through the frozen
+    stacks below it), on the config's test set in its eval batches."""
+    from scaleout.sim.measure_compute import _Stepper
+
+    stepper = _Stepper(config((1, 1), "data.num_test=64", "train.eval_batch_size=32"))
+    seconds = [stepper.evaluate_s(phase) for phase in range(stepper.num_phases)]
+    assert len(seconds) == 3 and all(0 < s < 1 for s in seconds)

@@ -362,6 +362,16 @@ def test_driver_chunks_follow_the_cadence():
         (2, False, True),
         (2, True, True),
     ]
+    # a layer-wise model's phases end at 5 and 10: a chunk ends there, evaluates and saves
+    assert driver_chunks(15, config.train, [5, 10, 15]) == [
+        (4, False, False),
+        (1, True, True),
+        (1, True, False),
+        (2, False, True),
+        (2, True, True),
+        (2, True, False),
+        (3, True, True),
+    ]
 
 
 # --- Sandblaster ---------------------------------------------------------------------------

@@ -56,6 +56,9 @@ class ModelCost(_Model):
     # `fixed_fraction`); empty: one phase, or not measured (`fixed_fraction` stands)
     phase_fixed_fraction: list[Annotated[float, Field(ge=0, lt=1)]] = []
     eval_s: PositiveFloat  # seconds per test example (forward only)
+    # a layer-wise model's phases: seconds per test example of an evaluation of each (its
+    # objective through the frozen stacks below); empty: one phase, or not measured
+    phase_eval_s: list[PositiveFloat] = []
     load_s: float = 0.0  # seconds per example of the loader alone (within train_s)
     optimizer_s: float = 0.0  # seconds per step of the config's optimizer on the whole model
     train_size: int = 0  # examples in the training and test sets

@@ -61,20 +61,30 @@ class _Stepper:
     def num_phases(self) -> int:
         return getattr(self.model, "num_phases", 1)
 
-    def phase_costs(self, steps: int) -> tuple[list[float], list[float]]:
+    def evaluate_s(self, phase: int = 0) -> float:
+        """Seconds per test example of an evaluation (of `phase`: its objective, through
+        the frozen stacks below it), as a worker's `evaluate` runs it."""
+        batch_size, cpu = self.job.train.eval_batch_size, torch.device("cpu")
+        evaluate = lambda: self.objective.evaluate(  # noqa: E731
+            self.model, self.test_set, batch_size, cpu, phase
+        )
+        return timed(evaluate, repeats=3) / len(self.test_set)
+
+    def phase_costs(self, steps: int) -> tuple[list[float], list[float], list[float]]:
         """Per phase of a layer-wise model (greedy training: phase k runs the frozen stacks
-        below it too), at the threads set now: seconds per example of a step, and the share
-        of the step that does not shrink with the work (`fixed_fraction`; a stack of small
-        maps is mostly fixed costs)."""
-        seconds, fixed = [], []
+        below it too), at the threads set now: seconds per example of a step, the share of
+        the step that does not shrink with the work (`fixed_fraction`; a stack of small
+        maps is mostly fixed costs), and seconds per test example of its evaluation."""
+        seconds, fixed, evaluations = [], [], []
         for phase in range(self.num_phases):
             self.objective.parameter_groups(self.model, phase, 0.0)  # trains phase k only
             self.objective.begin_phase(self.model, self.next_batch(), phase)
             step = lambda phase=phase: self.step(phase=phase)  # noqa: E731
             seconds.append(timed(step, repeats=steps, warmup=1) / self.batch)
             fixed.append(fixed_fraction(self, steps, phase=phase) if self.batch >= 2 else 0.0)
+            evaluations.append(self.evaluate_s(phase))
         self.objective.parameter_groups(self.model, 0, 0.0)
-        return seconds, fixed
+        return seconds, fixed, evaluations
 
 
 def fixed_fraction(stepper: _Stepper, steps: int, rounds: int = 7, phase: int = 0) -> float:
@@ -197,19 +207,14 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
                 samples[threads].append(timed(stepper.step, repeats=steps // 2, warmup=1))
         train_s = {t: statistics.median(times) / batch for t, times in samples.items()}
         torch.set_num_threads(1)
-        phase_s, phase_fixed = (
-            stepper.phase_costs(steps // 2) if stepper.num_phases > 1 else ([], [])
+        phase_s, phase_fixed, phase_eval_s = (
+            stepper.phase_costs(steps // 2) if stepper.num_phases > 1 else ([], [], [])
         )
         fixed = fixed_fraction(stepper, steps) if batch >= 2 else 0.0
         load_s = timed(stepper.next_batch, repeats=steps) / batch
         optimizer = build_optimizer(model.parameters(), stepper.job.train)
         optimizer_s = timed(optimizer.step, repeats=steps)
-        test_set, cfg = stepper.test_set, stepper.job.train
-        device = torch.device("cpu")
-        evaluate = lambda: stepper.objective.evaluate(  # noqa: E731
-            model, test_set, cfg.eval_batch_size, device, 0
-        )
-        eval_s = timed(evaluate, repeats=3) / len(test_set)
+        eval_s = stepper.evaluate_s()
     finally:
         torch.set_num_threads(saved)
     concurrent_s: dict[int, float] = {}
@@ -233,6 +238,7 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
         train_s=train_s,
         phase_s=phase_s,
         phase_fixed_fraction=phase_fixed,
+        phase_eval_s=phase_eval_s,
         concurrent_s=concurrent_s,
         eval_s=eval_s,
         load_s=load_s,

@@ -36,12 +36,17 @@ r on machine r * N // P: COTS HPC's four GPUs per server); `--machines 1` is the
 `scaleout train` runs it here, every worker on this machine's cores. N may not exceed P.
 
 Every stack's step is simulated once (steps are alike in lockstep) and the run is
-`train.steps` of each stack; evaluations are not priced (a few per cent of a run).
+`train.steps` of each stack, with the driver's evaluations and checkpoints between its
+chunks (`driver_chunks`; each stack's end evaluates and checkpoints). An evaluation of
+stack k is the forward pass of its step over the test set in `train.eval_batch_size`
+batches, at the rate of this model's measured evaluation of stack k in one process
+(`ModelCost.phase_eval_s`: 5-7% of a short run on this box); a checkpoint writes the
+replica and its optimizer's state at `Calibration.checkpoint_bytes_per_s`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,11 +54,12 @@ import torch
 
 from scaleout.comm.windows import Window, partition_local
 from scaleout.errors import ConfigError
+from scaleout.nn.optim import STATE_BUFFERS
 from scaleout.parallel import Exchange, greedy_exchanges, parallelize
 from scaleout.sim.engine import Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting
-from scaleout.sim.sync import CollectiveClock, ring_allreduce, ring_send
+from scaleout.sim.sync import CollectiveClock, driver_chunks, ring_allreduce, ring_send
 from scaleout.strategies.model_parallel import ModelParallelSection
 
 SUM_VALUES = 4  # the objective's two sums, the example count and alpha's gradient
@@ -75,6 +81,15 @@ class Move:
     exchange: Exchange
     backward: bool
     pairs: dict[tuple[int, int], int]
+
+
+def _compute(what: str, per_example: list[float], batch: int, times: float = 1.0) -> Compute:
+    return Compute(what, tuple(round(times * f * batch) for f in per_example))
+
+
+def _flops(items: Iterable[Compute | Move], rank: int | None = None) -> int:
+    computes = [i for i in items if isinstance(i, Compute)]
+    return sum(sum(i.flops) if rank is None else i.flops[rank] for i in computes)
 
 
 def _shares(windows: list[Window]) -> list[float]:
@@ -123,43 +138,53 @@ class GreedySchedule:
             self.pool.append([flops["pool"] * s for s in _shares(stack.pool.output_windows)])
             self.lcn.append([flops["lcn"] * s for s in _shares(stack.lcn.output_windows)])
 
-    def _compute(self, what: str, per_example: list[float], times: float = 1.0) -> Compute:
-        return Compute(what, tuple(round(times * f * self.batch) for f in per_example))
-
-    def _move(self, exchange: Exchange, backward: bool = False) -> Move:
-        pairs = exchange.array.pair_bytes(self.batch, exchange.channels, backward=backward)
-        return Move(exchange, backward, pairs)
-
     def step(self, index: int) -> Iterator[Compute | Move]:
         """One greedy step of stack `index`, in the order it runs."""
+        yield from self.forward(index)
+        move, batch, k = self._moves(index), self.batch, index
+        yield _compute("backward: pool", self.pool[k], batch, 2)
+        yield from move(k, "pool.to_input", batch, True)
+        yield from move(k, "filter.to_owners", batch, True)
+        yield _compute("backward: W", self.matmul[k], batch, MATMULS_BACKWARD)
+
+    def forward(self, index: int, batch: int | None = None) -> Iterator[Compute | Move]:
+        """The forward pass of a step of stack `index` on `batch` examples (the step's
+        minibatch by default): the frozen stacks' features, then stack `index`'s objective.
+        An evaluation of the stack is this on the test set."""
+        move, batch, k = self._moves(index), batch or self.batch, index
+        for frozen in range(index):
+            yield from move(frozen, "filter.to_input", batch)
+            yield _compute(f"stack {frozen + 1} filter", self.matmul[frozen], batch)
+            yield from move(frozen, "pool.to_input", batch)
+            yield _compute(f"stack {frozen + 1} pool", self.pool[frozen], batch)
+            yield from move(frozen, "lcn.to_input", batch)
+            yield _compute(f"stack {frozen + 1} lcn", self.lcn[frozen], batch)
+        yield from move(k, "filter.to_input", batch)
+        yield _compute("objective: W x, W^T h", self.matmul[k], batch, MATMULS_FORWARD)
+        yield from move(k, "filter.to_owners", batch)
+        yield from move(k, "pool.to_input", batch)
+        yield _compute("objective: pool", self.pool[k], batch)
+
+    def _moves(self, index: int) -> Callable[..., Iterator[Move]]:
+        """`move(k, name, batch, backward=False)`: stack k's exchange `name` in a step of
+        stack `index` on `batch` examples, when the step makes it."""
         moves = {(e.stack, e.name): e for e in greedy_exchanges(self.network, index)}
 
-        def move(k: int, name: str, backward: bool = False) -> Iterator[Move]:
+        def move(k: int, name: str, batch: int, backward: bool = False) -> Iterator[Move]:
             if (k, name) in moves:
-                yield self._move(moves[(k, name)], backward)
+                exchange = moves[(k, name)]
+                pairs = exchange.array.pair_bytes(batch, exchange.channels, backward=backward)
+                yield Move(exchange, backward, pairs)
 
-        for k in range(index):  # the frozen stacks' features
-            yield from move(k, "filter.to_input")
-            yield self._compute(f"stack {k + 1} filter", self.matmul[k])
-            yield from move(k, "pool.to_input")
-            yield self._compute(f"stack {k + 1} pool", self.pool[k])
-            yield from move(k, "lcn.to_input")
-            yield self._compute(f"stack {k + 1} lcn", self.lcn[k])
-        k = index
-        yield from move(k, "filter.to_input")
-        yield self._compute("objective: W x, W^T h", self.matmul[k], MATMULS_FORWARD)
-        yield from move(k, "filter.to_owners")
-        yield from move(k, "pool.to_input")
-        yield self._compute("objective: pool", self.pool[k])
-        yield self._compute("backward: pool", self.pool[k], 2)
-        yield from move(k, "pool.to_input", backward=True)
-        yield from move(k, "filter.to_owners", backward=True)
-        yield self._compute("backward: W", self.matmul[k], MATMULS_BACKWARD)
+        return move
 
     def step_flops(self, index: int, rank: int | None = None) -> int:
         """FLOPs of one step of stack `index`: of worker `rank`, or of all of them."""
-        items = [i for i in self.step(index) if isinstance(i, Compute)]
-        return sum(sum(i.flops) if rank is None else i.flops[rank] for i in items)
+        return _flops(self.step(index), rank)
+
+    def forward_flops(self, index: int, batch: int) -> int:
+        """FLOPs of all workers in the forward pass of stack `index` on `batch` examples."""
+        return _flops(self.forward(index, batch))
 
     def bytes_per_step(self, index: int) -> int:
         """Bytes all workers send each other in one step of stack `index`."""
@@ -185,6 +210,8 @@ class ModelParallelSim:
         self.cost = cal.models.get(model_key(config))
         self.s_per_flop = self._seconds_per_flop()
         self.fixed = self._fixed_fractions()
+        self.test_size = self.cost.test_size if self.cost else config.data.num_test or 0
+        self.eval_s_per_flop = self._seconds_per_flop_evaluating()
         self.cluster = setting.cluster()
         if self.cost is not None:
             for machine in self.cluster.machines:
@@ -215,6 +242,22 @@ class ModelParallelSim:
                 "run `scaleout calibrate CONFIG` with it"
             )
         return [1.0 / (rate * self.threads) for _ in stacks]
+
+    def _seconds_per_flop_evaluating(self) -> list[float]:
+        """Seconds per FLOP of one worker's evaluation at its threads, per stack: the rate
+        of this model's measured evaluation of that stack in one process (its batches are
+        bigger than a step's), else the step's rate."""
+        cost, stacks = self.cost, range(self.schedule.num_stacks)
+        measured = [] if cost is None else cost.phase_eval_s or [cost.eval_s]
+        if cost is None or len(measured) != len(stacks) or not self.test_size:
+            return self.s_per_flop
+        batch = self.train.batch_size
+        threads = cost.step_s(batch, self.threads) / cost.step_s(batch, 1)
+        one = GreedySchedule(self.config, grid=(1, 1))
+        return [
+            threads * self.test_size * measured[k] / one.forward_flops(k, self.test_size)
+            for k in stacks
+        ]
 
     def _fixed_fractions(self) -> list[float]:
         """Per stack, the share of its step that stays whole on every worker: measured per
@@ -266,14 +309,44 @@ class ModelParallelSim:
         yield env.all_of(jobs)
 
     def _step(self, index: int) -> Process:
+        """One greedy step of stack `index` on every worker, then their optimizer steps."""
         env = self.env
-        for item in self.schedule.step(index):
+        yield from self._items(self.schedule.step(index), self.s_per_flop[index], self.fixed[index])
+        yield from self._sums()
+        optimizer = self.train.optimizer
+        updates = [
+            env.process(
+                self.cluster.machines[self.machine_of[r]].work(self.cal.apply_s(optimizer, n))
+            )
+            for r, n in enumerate(self.schedule.own_numel[index])
+        ]
+        yield env.all_of(updates)
+
+    def _evaluation(self, index: int) -> Process:
+        """An evaluation of stack `index`: the forward pass over the test set in batches of
+        `train.eval_batch_size` on every worker, then the all-reduce of the sums. Its
+        compute is all FLOPs (a fixed share per call is small beside a test batch)."""
+        full, rest = divmod(self.test_size, self.train.eval_batch_size)
+        for batch in [self.train.eval_batch_size] * full + ([rest] if rest else []):
+            forward = self.schedule.forward(index, batch)
+            yield from self._items(forward, self.eval_s_per_flop[index], 0.0)
+        yield from self._sums()
+
+    def _sums(self) -> Process:
+        """The all-reduce of the objective's sums over the grid."""
+        yield from self.clock.wake(4 * SUM_VALUES)
+        yield from ring_allreduce(self.cluster, self.machine_of, 4 * SUM_VALUES, self.cal, "sums")
+        self.clock.ended()
+
+    def _items(self, items: Iterable[Compute | Move], price: float, fixed: float) -> Process:
+        """Run `items` on every worker in order, a compute at `price` seconds per FLOP."""
+        env = self.env
+        for item in items:
             start = env.now
             if isinstance(item, Compute):
                 # a share of a layer's time does not shrink with the part (Python, the
                 # operators' fixed costs): as with the batch, `ModelCost.fixed_fraction`
-                price, whole = self.s_per_flop[index], sum(item.flops)
-                fixed = self.fixed[index]
+                whole = sum(item.flops)
                 seconds = [price * (fixed * whole + (1 - fixed) * f) for f in item.flops]
                 jobs = [env.process(self._worker_compute(r, t)) for r, t in enumerate(seconds)]
             elif not item.pairs:
@@ -292,47 +365,59 @@ class ModelParallelSim:
             else:
                 self.clock.ended()
                 self.exchange_s += env.now - start
-        machines = self.machine_of
-        yield from self.clock.wake(4 * SUM_VALUES)
-        yield from ring_allreduce(self.cluster, machines, 4 * SUM_VALUES, self.cal, "sums")
-        self.clock.ended()
-        optimizer = self.train.optimizer
-        updates = [
-            env.process(self.cluster.machines[machines[r]].work(self.cal.apply_s(optimizer, n)))
-            for r, n in enumerate(self.schedule.own_numel[index])
-        ]
-        yield env.all_of(updates)
 
     def run(self) -> Result:
         steps = self.setting.steps or self.train.steps or 1
-        stack_s = []
-        for index in range(self.schedule.num_stacks):
+        num_stacks = self.schedule.num_stacks
+        stack_s, eval_s = [], []
+        for index in range(num_stacks):
             start = self.env.now
-            done = self.env.process(self._step(index))
-            self.cluster.run(until=done)
+            self.cluster.run(until=self.env.process(self._step(index)))
             stack_s.append(self.env.now - start)
         elapsed = self.env.now
-        trained_s = steps * sum(stack_s)
-        batch = self.train.batch_size
-        roles = {
+        roles = {  # of the steps
             "worker compute": self.compute_s / elapsed,
             "exchanges": self.exchange_s / elapsed,
         }
+        for index in range(num_stacks):
+            start = self.env.now
+            self.cluster.run(until=self.env.process(self._evaluation(index)))
+            eval_s.append(self.env.now - start)
+        # the driver's cadence: evaluations and checkpoints between the chunks (the last ones
+        # come after the last metrics line's stamp); a chunk never crosses a stack's end
+        boundaries = [steps * (k + 1) for k in range(num_stacks)]
+        trained_s = run_s = 0.0
+        step = 0
+        for chunk, evaluating, saving in driver_chunks(num_stacks * steps, self.train, boundaries):
+            index = step // steps
+            step += chunk
+            trained_s = run_s = run_s + chunk * stack_s[index]
+            run_s += (eval_s[index] if evaluating else 0.0) + (
+                self._checkpoint_s() if saving else 0.0
+            )
+        batch = self.train.batch_size
         result = Result.of_run(
             self.cluster,
             roles,
-            steps=steps * len(stack_s),
-            examples=steps * len(stack_s) * batch,
-            step_s=trained_s / (steps * len(stack_s)),
+            steps=steps * num_stacks,
+            examples=steps * num_stacks * batch,
+            step_s=sum(stack_s) / num_stacks,
             steady_examples_per_s=None,
             extra={
                 "grid": list(self.schedule.grid),
                 "stack_step_s": stack_s,
+                "stack_eval_s": eval_s,
                 "stack_exchange_bytes": [
-                    self.schedule.bytes_per_step(k) for k in range(len(stack_s))
+                    self.schedule.bytes_per_step(k) for k in range(num_stacks)
                 ],
-                "stack_flops": [self.schedule.step_flops(k) for k in range(len(stack_s))],
+                "stack_flops": [self.schedule.step_flops(k) for k in range(num_stacks)],
             },
             trained_s=trained_s,
         )
-        return replace(result, run_s=trained_s)
+        return replace(result, run_s=run_s)
+
+    def _checkpoint_s(self) -> float:
+        """Rank 0 gathers the whole replica and writes it with its optimizer's state."""
+        numel = self.cost.num_parameters if self.cost else sum(map(sum, self.schedule.own_numel))
+        state = 4 * numel * (1 + STATE_BUFFERS[self.train.optimizer])
+        return state / self.cal.checkpoint_bytes_per_s

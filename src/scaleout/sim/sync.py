@@ -212,17 +212,25 @@ def ddp_buckets(
 # --- the driver's cadence --------------------------------------------------------------------
 
 
-def driver_chunks(total: int, train: Any) -> list[tuple[int, bool, bool]]:  # noqa: ANN401
+def driver_chunks(
+    total: int,
+    train: Any,  # noqa: ANN401
+    boundaries: Sequence[int] = (),
+) -> list[tuple[int, bool, bool]]:
     """(steps, evaluate after, checkpoint after) of each `strategy.train` call the driver
-    makes (`scaleout.train.driver`): chunks end at metrics lines, evaluations and
-    checkpoints; the last one evaluates and checkpoints."""
+    makes (`scaleout.train.driver`): chunks end at metrics lines, evaluations, checkpoints
+    and the phases' `boundaries` (a layer-wise model's: each phase's end evaluates and
+    checkpoints); the last one evaluates and checkpoints."""
     chunks, step = [], 0
     cadence = [train.log_every, train.eval_every, train.checkpoint_every]
     while step < total:
         target = min([(step // every + 1) * every for every in cadence] + [total])
-        last = target >= total
-        evaluating = target // train.eval_every > step // train.eval_every or last
-        saving = target // train.checkpoint_every > step // train.checkpoint_every or last
+        target = min([target] + [b for b in boundaries if b > step])
+        last, phase_end = target >= total, target in boundaries
+        evaluating = target // train.eval_every > step // train.eval_every or last or phase_end
+        saving = (
+            target // train.checkpoint_every > step // train.checkpoint_every or last or phase_end
+        )
         chunks.append((target - step, evaluating, saving))
         step = target
     return chunks
