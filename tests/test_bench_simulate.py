@@ -199,6 +199,7 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     sync's all-reduce), as the calibration prices them."""
     from scaleout.bench.simulate import _costs, _Outcome
     from scaleout.sim.calibration import Calibration
+    from scaleout.sim.measuring import model_key
 
     path = _configs_dir().parent / "results" / "calibration.json"
     cal = Calibration.load(path)
@@ -213,6 +214,16 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     note = _costs(path, load_config(_configs_dir() / case.config, _overrides(case, tmp_path)))
     assert cal.allreduce is not None
     assert f"all-reduce {cal.allreduce.seconds(4 * 1_863_690) * 1e3:.2f} ms" in note
+    extra = cal.lockstep["allreduce"].extra(0.005, 4 * 1_863_690)
+    assert note.endswith(f", +{extra * 1e3:.2f} ms after 5 ms of compute")
+    case = by_name["model parallel, 1 x 2 grid"]
+    config = load_config(_configs_dir() / case.config, _overrides(case, tmp_path))
+    models = {model_key(config): next(iter(cal.models.values())), **cal.models}  # any model
+    note = _costs(cal.model_copy(update={"models": models}).save(tmp_path / "c.json"), config)
+    assert cal.exchange is not None
+    assert f"exchange {cal.exchange.seconds(1 << 20) * 1e3:.2f} ms" in note
+    extra = cal.lockstep["exchange"].extra(0.005, 1 << 20)
+    assert note.endswith(f"at 1.05 MB, +{extra * 1e3:.2f} ms after 5 ms of compute")
     outcome = _Outcome(case, [1.0] * 3, [1.0, 1.0], 1.0, ["s", "b", "a"])
     assert outcome.note().endswith("; start: s; before: b; after: a")
 

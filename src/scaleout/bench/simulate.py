@@ -184,10 +184,15 @@ def _remeasured(calibration: Calibration, configs: list[Any], path: Path) -> Pat
     return recalibrate(calibration, configs).save(path)
 
 
+LOCKSTEP_GAP_S = 0.005  # the compute before a collective that the case notes price
+
+
 def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
     """What a case's prediction leans on, as one calibration priced it: the model's step,
     two processes' mutual slow-down, and its strategy's call at its message size (a shard
-    slice's pull and push; the whole model's all-reduce or averaging; a 1 MB exchange)."""
+    slice's pull and push; the whole model's all-reduce or averaging; a 1 MB exchange);
+    for sync and model parallel, what that collective costs more after 5 ms of compute
+    (`Calibration.lockstep`: noisy here, and a model-parallel step makes ten of them)."""
     from scaleout.sim.measure_calls import shard_slices
     from scaleout.sim.measuring import model_key
 
@@ -208,7 +213,12 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
         for name, cost in calls.items()
         if cost is not None
     ]
-    return f"{', '.join(parts)} at {nbytes / 1e6:.2f} MB"
+    note = f"{', '.join(parts)} at {nbytes / 1e6:.2f} MB"
+    collective = {"sync": "allreduce", "model_parallel": "exchange"}.get(strategy)
+    if collective in cal.lockstep:
+        extra = cal.lockstep[collective].extra(LOCKSTEP_GAP_S, nbytes)
+        note += f", +{extra * 1e3:.2f} ms after {LOCKSTEP_GAP_S * 1e3:g} ms of compute"
+    return note
 
 
 def _measuring_key(config: Any) -> tuple[str, str]:  # noqa: ANN401 - a RunConfig

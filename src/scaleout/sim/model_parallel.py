@@ -210,7 +210,8 @@ class ModelParallelSim:
         self.cost = cal.models.get(model_key(config))
         self.s_per_flop = self._seconds_per_flop()
         self.fixed = self._fixed_fractions()
-        self.test_size = self.cost.test_size if self.cost else config.data.num_test or 0
+        # an older calibration's model has no test size (0): the config's, when it gives one
+        self.test_size = (self.cost.test_size if self.cost else 0) or config.data.num_test or 0
         self.eval_s_per_flop = self._seconds_per_flop_evaluating()
         self.cluster = setting.cluster()
         if self.cost is not None:
@@ -375,7 +376,7 @@ class ModelParallelSim:
             self.cluster.run(until=self.env.process(self._step(index)))
             stack_s.append(self.env.now - start)
         elapsed = self.env.now
-        roles = {  # of the steps
+        roles = {  # of the steps (the machines' cores and links: of the evaluations too)
             "worker compute": self.compute_s / elapsed,
             "exchanges": self.exchange_s / elapsed,
         }
