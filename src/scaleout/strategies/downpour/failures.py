@@ -54,12 +54,14 @@ class ReplicaFailures:
             if now - self.submitted_at[replica_id] <= limit:
                 continue
             _, steps = self.in_flight.pop(replica_id)
-            self.assigned -= steps
             self._replica_failed(
                 replica_id, steps, TimeoutError(f"no progress for {limit:g} s (downpour.timeout_s)")
             )
 
     def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
+        """Replica `replica_id` failed with a chunk of `steps` steps in flight (0: none):
+        they are lost and handed out again; log it, and restart or retire the replica."""
+        self.assigned -= steps
         kind = (
             "died"
             if isinstance(error, RayActorError)
@@ -112,7 +114,6 @@ class ReplicaFailures:
             except RayActorError as error:
                 replica_id = self.replicas.index(replica)
                 _, steps = self.in_flight.pop(replica_id, (None, 0))
-                self.assigned -= steps
                 self._replica_failed(replica_id, steps, error)
 
     def _settle_starting(self, wait: bool) -> None:

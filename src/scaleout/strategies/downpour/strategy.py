@@ -342,7 +342,6 @@ class Downpour(ReplicaFailures):
             try:
                 outs = self.replicas[replica_id].get(futures, "training")
             except (RayActorError, RayTaskError) as error:
-                self.assigned -= steps
                 self._replica_failed(replica_id, steps, error)
                 continue
             self._take(replica_id, outs, chunk)
