@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import simpy
 
-from scaleout.nn.optim import STATE_BUFFERS
 from scaleout.sim.calibration import MessageCost
 from scaleout.sim.downpour_state import Replica, Shard
 from scaleout.sim.engine import Process
+from scaleout.sim.sync import checkpoint_bytes
 
 if TYPE_CHECKING:
     from scaleout.sim.calibration import Calibration
@@ -45,7 +45,7 @@ class ShardCalls:
 
     def _state_bytes(self, shard: Shard) -> int:
         """What a shard's checkpoint writes: its values and its optimizer's state."""
-        return 4 * shard.numel * (1 + STATE_BUFFERS[self.train.optimizer])
+        return checkpoint_bytes(shard.numel, self.train.optimizer)
 
     def _serve(self, shard: Shard, work: Process) -> Process:
         """`work` in the shard's actor, after the calls queued before (one at a time)."""

@@ -54,12 +54,17 @@ import torch
 
 from scaleout.comm.windows import Window, partition_local
 from scaleout.errors import ConfigError
-from scaleout.nn.optim import STATE_BUFFERS
 from scaleout.parallel import Exchange, greedy_exchanges, parallelize
 from scaleout.sim.engine import Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting
-from scaleout.sim.sync import CollectiveClock, driver_chunks, ring_allreduce, ring_send
+from scaleout.sim.sync import (
+    CollectiveClock,
+    checkpoint_bytes,
+    driver_chunks,
+    ring_allreduce,
+    ring_send,
+)
 from scaleout.strategies.model_parallel import ModelParallelSection
 
 SUM_VALUES = 4  # the objective's two sums, the example count and alpha's gradient
@@ -208,11 +213,13 @@ class ModelParallelSim:
         self.cal = cal = setting.calibration
         self.threads = config.run.num_threads or 1
         self.cost = cal.models.get(model_key(config))
-        self.s_per_flop = self._seconds_per_flop()
+        # the whole network in one worker: what a measured model's rates are per FLOP of
+        one = GreedySchedule(config, grid=(1, 1)) if self.cost is not None else self.schedule
+        self.s_per_flop = self._seconds_per_flop(one)
         self.fixed = self._fixed_fractions()
         # an older calibration's model has no test size (0): the config's, when it gives one
         self.test_size = (self.cost.test_size if self.cost else 0) or config.data.num_test or 0
-        self.eval_s_per_flop = self._seconds_per_flop_evaluating()
+        self.eval_s_per_flop = self._seconds_per_flop_evaluating(one)
         self.cluster = setting.cluster()
         if self.cost is not None:
             for machine in self.cluster.machines:
@@ -223,13 +230,12 @@ class ModelParallelSim:
         self.shares_machine = [self.machine_of.count(m) > 1 for m in self.machine_of]
         self.compute_s = self.exchange_s = 0.0  # wall time in layers' compute, in exchanges
 
-    def _seconds_per_flop(self) -> list[float]:
+    def _seconds_per_flop(self, one: GreedySchedule) -> list[float]:
         """Seconds per FLOP of one worker at its threads, per stack: the measured rate of
         this model's step of that stack (of stack 1 when only it was measured), else the
         file's FLOP/s per thread."""
         stacks = range(self.schedule.num_stacks)
         if self.cost is not None:
-            one = GreedySchedule(self.config, grid=(1, 1))
             batch = self.train.batch_size
             whole = self.cost.step_s(batch, self.threads)  # stack 1's step
             if len(self.cost.phase_s) != len(stacks):
@@ -244,7 +250,7 @@ class ModelParallelSim:
             )
         return [1.0 / (rate * self.threads) for _ in stacks]
 
-    def _seconds_per_flop_evaluating(self) -> list[float]:
+    def _seconds_per_flop_evaluating(self, one: GreedySchedule) -> list[float]:
         """Seconds per FLOP of one worker's evaluation at its threads, per stack: the rate
         of this model's measured evaluation of that stack in one process (its batches are
         bigger than a step's), else the step's rate."""
@@ -254,7 +260,6 @@ class ModelParallelSim:
             return self.s_per_flop
         batch = self.train.batch_size
         threads = cost.step_s(batch, self.threads) / cost.step_s(batch, 1)
-        one = GreedySchedule(self.config, grid=(1, 1))
         return [
             threads * self.test_size * measured[k] / one.forward_flops(k, self.test_size)
             for k in stacks
@@ -420,5 +425,4 @@ class ModelParallelSim:
     def _checkpoint_s(self) -> float:
         """Rank 0 gathers the whole replica and writes it with its optimizer's state."""
         numel = self.cost.num_parameters if self.cost else sum(map(sum, self.schedule.own_numel))
-        state = 4 * numel * (1 + STATE_BUFFERS[self.train.optimizer])
-        return state / self.cal.checkpoint_bytes_per_s
+        return checkpoint_bytes(numel, self.train.optimizer) / self.cal.checkpoint_bytes_per_s

@@ -212,6 +212,12 @@ def ddp_buckets(
 # --- the driver's cadence --------------------------------------------------------------------
 
 
+def checkpoint_bytes(numel: int, optimizer: str) -> int:
+    """What a checkpoint writes of `numel` parameters: their values and their optimizer's
+    parameter-sized buffers, fp32."""
+    return 4 * numel * (1 + STATE_BUFFERS[optimizer])
+
+
 def driver_chunks(
     total: int,
     train: Any,  # noqa: ANN401
@@ -283,7 +289,7 @@ class SyncSim:
             num_buckets = max(1, math.ceil(4 * self.numel / cap))
             base, extra = divmod(self.numel, num_buckets)
             self.buckets = [base + (1 if b < extra else 0) for b in range(num_buckets)]
-        self.state_bytes = 4 * self.numel * (1 + STATE_BUFFERS[self.train.optimizer])
+        self.state_bytes = checkpoint_bytes(self.numel, self.train.optimizer)
         self.compute_s = [0.0] * self.num_workers
         self.train_s = 0.0  # time spent in training chunks (no evaluation, no checkpoint)
         self.exposed: list[float] = []  # per step: from backward's end to the last bucket's
