@@ -78,7 +78,9 @@ class Codec(ABC):
                 f"codec {self.name}: tensor dtype {x.dtype} is not supported; "
                 "give float32, float16 or bfloat16 (e.g. x.float())"
             )
-        return x.detach().reshape(-1)
+        if x.requires_grad:
+            x = x.detach()
+        return x if x.dim() == 1 else x.reshape(-1)  # a view costs about a microsecond
 
     def _nonfinite(self, num_bad: int, numel: int, what: str = "Inf/NaN values") -> bool:
         """True when the message must be flagged; raises under the "raise" policy."""
@@ -256,7 +258,8 @@ class TableCodec(Codec):
         scales = encoded.scales
         if scales.dtype != torch.float32 or scales.device != device:
             scales = scales.to(device, torch.float32)
-        scales = scales.view(-1, 1)
         block = encoded.block_size or None
         values = kernels.decode(encoded.codes, scales, table, block, encoded.dtype, out)
-        return out if out is not None else values.view(encoded.shape)
+        if out is not None:
+            return out
+        return values if len(encoded.shape) == 1 else values.view(encoded.shape)

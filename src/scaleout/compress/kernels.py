@@ -402,11 +402,12 @@ def _native(x: torch.Tensor, dtype: torch.dtype) -> native.Kernels | None:
     return native.library()
 
 
-def _float32(scales: torch.Tensor) -> torch.Tensor:
-    """(num_blocks,) contiguous float32 (what the C kernels read)."""
+def _float32(scales: torch.Tensor, flat: bool = True) -> torch.Tensor:
+    """(num_blocks,) contiguous float32 (what the C kernels read); `flat` False: in
+    whatever shape it came (the kernels read only its data)."""
     if scales.dtype != torch.float32 or not scales.is_contiguous():
         scales = scales.to(torch.float32).contiguous()
-    return scales.view(-1)
+    return scales.view(-1) if flat else scales
 
 
 def _num_blocks(n: int, block_size: int | None) -> int:
@@ -425,7 +426,7 @@ def _encode_native(
     x = x.contiguous()
     n, num_blocks = x.numel(), _num_blocks(x.numel(), block)
     codes = torch.empty(n, dtype=torch.uint8)
-    new_scales = torch.empty(num_blocks, dtype=torch.float32)
+    new_scales = torch.empty((num_blocks, 1), dtype=torch.float32)  # as returned: no view
     given = None
     if scales is not None:
         given = _float32(scales)
@@ -443,7 +444,7 @@ def _encode_native(
         table.num_bins,
         table.top_bits,
     )
-    return None if bad else (codes, new_scales.view(-1, 1))
+    return None if bad else (codes, new_scales)
 
 
 def check_out(out: torch.Tensor, n: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -465,19 +466,18 @@ def decode(
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(n,) of `dtype` (a float type) from codes uint8 (n,) and scales (num_blocks, 1):
-    values[code] * scale rounded once, from float32, to `dtype`; into `out` (contiguous,
-    n values of `dtype`) when given."""
+    """(n,) of `dtype` (a float type) from codes uint8 (n,) and scales (num_blocks, 1)
+    or (num_blocks,): values[code] * scale rounded once, from float32, to `dtype`; into
+    `out` (contiguous, n values of `dtype`, any shape: returned as it is) when given."""
     n = codes.numel()
     if out is not None:
         check_out(out, n, dtype, codes.device)
-        out = out.view(-1)
     lib = _native(codes, dtype)
-    if lib is not None:
+    if lib is not None:  # no views on this path: each costs about a microsecond
         codes = codes.contiguous()
-        given = _float32(scales)
+        given = _float32(scales, flat=False)
         assert given.numel() == _num_blocks(n, block_size), (given.numel(), n, block_size)
-        values = torch.empty(n, dtype=dtype) if out is None else out
+        values = torch.empty(n, dtype=dtype) if out is None else out  # contiguous
         lib.decode[dtype](
             codes.data_ptr(),
             n,
@@ -487,8 +487,8 @@ def decode(
             values.data_ptr(),
         )
         return values
-    values = _decode_torch(codes, scales, table, block_size, dtype)
-    return values if out is None else out.copy_(values)
+    values = _decode_torch(codes, scales.view(-1, 1), table, block_size, dtype)
+    return values if out is None else out.view(-1).copy_(values)
 
 
 def _decode_torch(
