@@ -110,6 +110,7 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
         "measure_shard_messages": lambda apply_ns, sizes: (fresh["d"], fresh["e"], 0.5),
         "measure_collect": lambda: (2e-4, 5e-5),
         "measure_zero": lambda: 3e10,
+        "measure_beside_calls": lambda config, numel: 1.0 + numel * 1e-8,
     }
     threads_seen = {}
 
@@ -139,6 +140,7 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
             "measure_shard_messages",
             "measure_collect",
             "measure_zero",
+            "measure_beside_calls",
         ]
     )
     assert (downpour.pull, downpour.push) == (fresh["d"], fresh["e"])
@@ -150,6 +152,9 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     assert downpour.codecs["dynamic8"] == codec
     assert downpour.allreduce == start.allreduce and downpour.exchange == start.exchange
     assert all(m.eval_s == 1.0 for k, m in downpour.models.items() if k.startswith("mnist"))
+    # a replica's step beside calls of the config's largest shard slice (2 of 1,863,690)
+    (beside,) = {m.beside_calls for k, m in downpour.models.items() if k.startswith("mnist")}
+    assert beside == pytest.approx(1.0 + 931_845e-8)
 
     measured.clear()
     sync = cal_module.recalibrate(start, [case("sync 2 workers, average mode")])
@@ -268,3 +273,16 @@ def test_collecting_a_push_is_measured_through_a_real_client(ray_session):
     fixed, per_shard = measure_collect(numel=4096, pushes=20, warmup=3)
     assert fixed >= 0 and per_shard >= 0
     assert 0 < fixed + 4 * per_shard < 0.02
+
+
+def test_a_step_beside_a_shards_calls_is_measured_against_the_step_alone(ray_session):
+    """`measure_beside_calls` steps a real model in another process while this one pulls
+    from and pushes to a real shard: at least 1, and not a multiple."""
+    from scaleout.sim.measure_beside import measure_beside_calls
+
+    config = load_config(
+        _configs_dir() / "mnist_downpour.toml",
+        ["model.sizes=[784,64,10]", "model.dropout=[0.0,0.0]", "data.num_train=512"],
+    )
+    factor = measure_beside_calls(config, 25_000)
+    assert 1.0 <= factor < 1.5

@@ -47,6 +47,20 @@ def test_a_job_standing_for_copies_takes_their_shares():
     assert link.utilisation() == pytest.approx(1.0)
 
 
+def test_compute_beside_plain_work_is_slowed_by_the_calibrated_factor():
+    """A compute job of 1 s beside a 0.5 s copy on two cores, `beside_plain` 1.5: the
+    compute moves at 1/1.5 while the copy runs (0.5 s, 1/3 of its work), then alone at
+    full speed for its last 2/3: it ends at 0.5 + 2/3 s. The copy is not slowed."""
+    env = simpy.Environment()
+    cores = Shared(env, 2.0, "cores")
+    cores.beside_plain = 1.5
+    compute, copy = cores.start(1.0, contended=True), cores.start(0.5)
+    env.run(until=copy)
+    assert env.now == pytest.approx(0.5)
+    env.run(until=compute)
+    assert env.now == pytest.approx(0.5 + 2 / 3)
+
+
 def test_threads_share_cores_and_a_transfer_pays_both_ends():
     cluster = Cluster(2, cores=2, link=Link(bandwidth=1e6, latency=0.01))
     env = cluster.env

@@ -1,7 +1,7 @@
 """`scaleout calibrate`: measure this machine's costs with the library's own code.
 
 What is measured, each alone on a quiet machine (medians of repeats, in rounds where the
-box drifts):
+box drifts; calls by their mean, as a run pays the slow ones too):
 
 - per config's model (`measure_compute`): a training step (the config's loader, forward,
   backward) per example at 1..all threads, the share of it that does not shrink with the
@@ -18,6 +18,8 @@ box drifts):
   loaded machine feels); a model-parallel exchange between two processes by size;
 - what such a collective costs beyond that after the ranks computed for a while
   (`measure_lockstep`: waiting for the slower rank, gloo's threads waking up);
+- per Downpour config's model, the CPU its 1-thread step takes more while another process
+  makes calls to a shard (`measure_beside`: their copies share the caches);
 - sync's weight averaging (`average_tensors`) between two processes by size;
 - a checkpoint write per byte, and the local part of sync's weight averaging per byte
   (one process alone, for calibrations without the two-process measurement).
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 from scaleout.sim.calibration import Calibration, CodecCost, ModelCost
+from scaleout.sim.measure_beside import measure_beside_calls
 from scaleout.sim.measure_calls import (
     allreduce_sizes,
     average_sizes,
@@ -48,6 +51,7 @@ from scaleout.sim.measure_calls import (
     measure_exchange,
     measure_shard_messages,
     shard_message_sizes,
+    shard_slices,
 )
 from scaleout.sim.measure_compute import measure_model
 from scaleout.sim.measure_lockstep import measure_lockstep
@@ -160,6 +164,25 @@ def configs_per_model(configs: Sequence[Any]) -> dict[str, Any]:  # noqa: ANN401
     return chosen
 
 
+def with_beside_calls(
+    configs: Sequence[Any],  # noqa: ANN401 - RunConfigs
+    models: dict[str, ModelCost],
+) -> dict[str, ModelCost]:
+    """`models` with `ModelCost.beside_calls` measured for each model a Downpour config
+    trains, beside calls of its largest shard slice (Ray must be up)."""
+    measured = dict(models)
+    done = set()
+    for config in configs:
+        key = model_key(config)
+        if config.train.strategy != "downpour" or key in done:
+            continue
+        done.add(key)
+        numel = max(shard_slices(config, models[key].num_parameters))
+        factor = measure_beside_calls(config, numel)
+        measured[key] = models[key].model_copy(update={"beside_calls": factor})
+    return measured
+
+
 def recalibrate(
     calibration: Calibration,
     configs: Sequence[Any],  # noqa: ANN401 - RunConfigs
@@ -204,6 +227,7 @@ def recalibrate(
                     fresh.apply_ns["sgd"], sizes
                 )
                 fresh.collect_s, fresh.collect_shard_s = measure_collect()
+                fresh.models = with_beside_calls(configs, fresh.models)
     finally:
         torch.set_num_threads(threads)
     return fresh
@@ -245,6 +269,8 @@ def calibrate(
         sizes = shard_message_sizes(configs, models)
         pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
         collect = measure_collect()
+        say("a replica's step beside a shard's calls")
+        models = with_beside_calls(configs, models)
     return Calibration(
         host=socket.gethostname(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

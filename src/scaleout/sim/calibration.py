@@ -71,6 +71,10 @@ class ModelCost(_Model):
     # seconds per step DDP adds besides the all-reduce (hooks, bucket copies); None: not
     # measured (a model calibrated for another strategy)
     ddp_s: float | None = Field(default=None, ge=0)
+    # how much more CPU a 1-thread step takes while another process makes calls to a
+    # parameter-server shard (`measure_beside_calls`: their copies share the caches); 1:
+    # not measured (a model calibrated for another strategy)
+    beside_calls: float = Field(default=1.0, ge=1)
 
     def step_s(self, batch: int, threads: int) -> float:
         """Seconds of one training step of `batch` examples at `threads` threads."""

@@ -40,7 +40,7 @@ queue on the shard's); across machines, what Ray's moving the object between the
 stores costs beyond the link (`pull_across` / `push_across`, measured between testnet
 hosts), on the receiving machine during the transfer; codec and optimizer costs per
 value; the model's step at its threads, slowed when several replicas compute on one
-machine as calibrated.
+machine, and while calls run beside it on its machine, as calibrated.
 
 Placement: `--machines 1` puts every replica and shard on one machine, as `scaleout train`
 does here. On N > 1 machines each machine runs one replica (`run.num_threads` threads),
@@ -118,6 +118,7 @@ class DownpourSim(ShardCalls, ReplicaThreads):
             shard_machines = [i % machines for i in range(len(ranges))]
         for machine in self.cluster.machines:
             machine.cores.slowdown = self.cost.slowdown
+            machine.cores.beside_plain = self.cost.beside_calls
         env = self.env = self.cluster.env
         self.shards = [
             Shard(i, shard_machines[i], stop - start, simpy.Resource(env, capacity=1))

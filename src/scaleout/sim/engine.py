@@ -37,6 +37,9 @@ class Shared:
     its `demand` units to itself; less of them stretch it. `slowdown(k)` (>= 1) slows each
     of k `contended` jobs running at once beyond their share of the units: processes that
     compute at once on one machine share its memory bandwidth and caches too (calibrated).
+    `beside_plain` (>= 1) slows `contended` jobs further while any plain job (a call, a
+    copy, an optimizer's update) runs beside them: their copies evict the compute's data
+    from the caches (calibrated for Downpour's calls: `ModelCost.beside_calls`).
 
     Every job of a class (contended or not) moves through its work at the same speed (its
     share of the units over its demand), so one virtual clock per class and a heap of the
@@ -62,6 +65,7 @@ class Shared:
         self.busy = 0.0  # integral of the units in use over time
         self._mark = (0.0, 0.0)  # (time, busy) that `utilisation` counts from
         self.slowdown: Callable[[int], float] | None = None
+        self.beside_plain = 1.0
 
     def run(self, work: float, demand: float = 1.0, contended: bool = False) -> Process:
         """Do `work` seconds of work that can use up to `demand` units in parallel."""
@@ -111,6 +115,8 @@ class Shared:
         scale = min(1.0, self.capacity / total) if total > EPS else 1.0
         count = len(self._heaps[1])
         slow = self.slowdown(count) if self.slowdown and count > 1 else 1.0
+        if plain > EPS:
+            slow *= self.beside_plain
         self._speed = [scale, scale / slow]
         self._in_use = scale * (plain + contended / slow)
         self._schedule()
