@@ -81,11 +81,14 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
 
     import scaleout.runtime
     from scaleout.sim import calibrate as cal_module
-    from scaleout.sim.calibration import Calibration, CodecCost, MessageCost
+    from scaleout.sim.calibration import Calibration, CodecCost, LockstepCost, MessageCost
     from scaleout.sim.measuring import model_key
 
     start = Calibration.load(Path(__file__).resolve().parents[1] / "results" / "calibration.json")
-    fresh = {name: MessageCost(fixed_s=i + 1.0, bytes_per_s=1e6) for i, name in enumerate("abcde")}
+    fresh: dict = {
+        name: MessageCost(fixed_s=i + 1.0, bytes_per_s=1e6) for i, name in enumerate("abcde")
+    }
+    fresh["f"] = LockstepCost(measured_bytes=[1], gaps_s=[1e-3, 1e-2], extra_s=[[1e-3, 2e-3]])
     measured: list[str] = []
 
     def measure(name, value):
@@ -111,6 +114,7 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
         "measure_collect": lambda: (2e-4, 5e-5),
         "measure_zero": lambda: 3e10,
         "measure_beside_calls": lambda config, numel: 1.0 + numel * 1e-8,
+        "measure_shard_calls_after_compute": lambda sizes: fresh["f"],
     }
     threads_seen = {}
 
@@ -141,6 +145,7 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
             "measure_collect",
             "measure_zero",
             "measure_beside_calls",
+            "measure_shard_calls_after_compute",
         ]
     )
     assert (downpour.pull, downpour.push) == (fresh["d"], fresh["e"])
@@ -155,6 +160,8 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     # a replica's step beside calls of the config's largest shard slice (2 of 1,863,690)
     (beside,) = {m.beside_calls for k, m in downpour.models.items() if k.startswith("mnist")}
     assert beside == pytest.approx(1.0 + 931_845e-8)
+    assert downpour.lockstep["shard_calls"] == fresh["f"]
+    assert downpour.lockstep["allreduce"] == start.lockstep["allreduce"]  # kept
 
     measured.clear()
     sync = cal_module.recalibrate(start, [case("sync 2 workers, average mode")])
@@ -203,7 +210,7 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     size (a quarter of the 1,863,690-value MLP per shard with 4 shards; the whole model for
     sync's all-reduce), as the calibration prices them."""
     from scaleout.bench.simulate import _costs, _Outcome
-    from scaleout.sim.calibration import Calibration
+    from scaleout.sim.calibration import Calibration, LockstepCost
     from scaleout.sim.measuring import model_key
 
     path = _configs_dir().parent / "results" / "calibration.json"
@@ -215,6 +222,17 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     assert f"pull {cal.pull.seconds(slice_bytes) * 1e3:.2f} ms" in note
     assert f"push {cal.push.seconds(slice_bytes) * 1e3:.2f} ms" in note
     assert note.startswith("step ") and note.endswith(f"at {slice_bytes / 1e6:.2f} MB")
+    # with a replica's calls after compute measured: what a pull and a push cost more
+    shard_calls = LockstepCost(
+        measured_bytes=[1, 10**9], gaps_s=[1e-3, 1e-2], extra_s=[[1e-3] * 2] * 2
+    )
+    shard_calls.extra_core_s = [[2e-3] * 2] * 2
+    shard_calls = LockstepCost.model_validate(shard_calls.model_dump())
+    woken = cal.model_copy(update={"lockstep": {**cal.lockstep, "shard_calls": shard_calls}})
+    config = load_config(_configs_dir() / case.config, _overrides(case, tmp_path))
+    note = _costs(woken.save(tmp_path / "woken.json"), config)
+    assert "beside calls 1.000x" in note
+    assert note.endswith(", +1.00 ms / 2.00 core-ms a pair after 5 ms of compute")
     case = by_name["sync 2 workers"]
     note = _costs(path, load_config(_configs_dir() / case.config, _overrides(case, tmp_path)))
     assert cal.allreduce is not None

@@ -11,7 +11,13 @@ from scaleout.compress.payload import payload_size
 from scaleout.ps.client import AUTO_PROBE_PUSHES
 from scaleout.ps.layout import shard_ranges
 from scaleout.sim.calibrate import model_key
-from scaleout.sim.calibration import Calibration, CodecCost, MessageCost, ModelCost
+from scaleout.sim.calibration import (
+    Calibration,
+    CodecCost,
+    LockstepCost,
+    MessageCost,
+    ModelCost,
+)
 from scaleout.sim.downpour import DownpourSim
 from scaleout.sim.engine import Cluster, Link, Shared
 from scaleout.sim.setting import Setting, parse_link
@@ -309,6 +315,27 @@ def test_a_push_collects_the_last_ones_answers_and_zeroes_its_gradient():
     apply = callee + plain.apply_s("adagrad", sim.shards[0].numel)
     assert sim.push_bytes[0] == sim.push_bytes[1] and zero > apply
     assert after - before == pytest.approx(19 * collect + 20 * zero - 19 * apply, rel=1e-9)
+
+
+def test_a_replicas_first_calls_after_compute_pay_their_wake_up():
+    """With `lockstep["shard_calls"]` measured (1 ms and 0.5 core-ms after 2 to 20 ms of
+    compute), each run of compute (one step here: a push after it, then the next fetch)
+    costs its calls 1 ms more on the replica's idle cores: 20 steps, 20 ms more, and the
+    closed form above shifts by exactly that."""
+    cfg = config(steps=20)
+    plain = calibration(cfg)
+    after = LockstepCost(
+        measured_bytes=[1_000, 10_000_000],
+        gaps_s=[0.002, 0.02],
+        extra_s=[[1e-3, 1e-3], [1e-3, 1e-3]],
+        extra_core_s=[[5e-4, 5e-4], [5e-4, 5e-4]],
+    )
+    woken = plain.model_copy(update={"lockstep": {"shard_calls": after}})
+    before = DownpourSim(cfg, Setting(plain, machines=1)).run().run_s
+    later = DownpourSim(cfg, Setting(woken, machines=1)).run().run_s
+    assert later - before == pytest.approx(20 * 1e-3, rel=1e-9)
+    # below the shortest measured gap the extra falls to 0: a run of 1 ms pays half
+    assert after.extra(1e-3, 4 * NUM_PARAMETERS) == pytest.approx(5e-4)
 
 
 def test_a_pull_after_a_push_waits_for_it_at_the_shard():

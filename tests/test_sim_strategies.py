@@ -182,6 +182,16 @@ def test_lockstep_extra_between_and_beyond_the_measured_points():
         LockstepCost(measured_bytes=[1], gaps_s=[2.0, 1.0], extra_s=[[0.0, 0.0]])
     with pytest.raises(ValueError, match="two distinct gaps"):
         LockstepCost(measured_bytes=[1], gaps_s=[1.0], extra_s=[[0.0]])
+    assert cost.extra_core(2e-3, 1_000) == 0.0  # a collective's extra keeps no cores busy
+    calls = cost.model_copy(update={"extra_core_s": [[2e-3, 4e-3, 6e-3], [1e-3, 1e-3, 1e-3]]})
+    calls = LockstepCost.model_validate(calls.model_dump())  # the lines are fitted anew
+    assert calls.extra_core(2.5e-3, 1_000) == pytest.approx(5e-3)
+    assert calls.extra_core(0.5e-3, 100_000) == pytest.approx(0.5e-3)
+    assert calls.extra(2.5e-3, 1_000) == pytest.approx(2.5e-3)
+    with pytest.raises(ValueError, match="extra_core_s needs one row"):
+        LockstepCost(
+            measured_bytes=[1], gaps_s=[1.0, 2.0], extra_s=[[0.0, 0.0]], extra_core_s=[[0.0]]
+        )
 
 
 @pytest.mark.parametrize("latency", [1e-5, 2e-3])

@@ -192,7 +192,8 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
     two processes' mutual slow-down, and its strategy's call at its message size (a shard
     slice's pull and push; the whole model's all-reduce or averaging; a 1 MB exchange);
     for sync and model parallel, what that collective costs more after 5 ms of compute
-    (`Calibration.lockstep`: noisy here, and a model-parallel step makes ten of them)."""
+    (`Calibration.lockstep`: noisy here, and a model-parallel step makes ten of them), for
+    Downpour what a pull and a push cost more then, and its step's slow-down beside calls."""
     from scaleout.sim.measure_calls import shard_slices
     from scaleout.sim.measuring import model_key
 
@@ -214,10 +215,15 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
         if cost is not None
     ]
     note = f"{', '.join(parts)} at {nbytes / 1e6:.2f} MB"
-    collective = {"sync": "allreduce", "model_parallel": "exchange"}.get(strategy)
+    kind = {"sync": "allreduce", "model_parallel": "exchange", "downpour": "shard_calls"}
+    collective = kind.get(strategy)
     if collective in cal.lockstep:
-        extra = cal.lockstep[collective].extra(LOCKSTEP_GAP_S, nbytes)
-        note += f", +{extra * 1e3:.2f} ms after {LOCKSTEP_GAP_S * 1e3:g} ms of compute"
+        after = cal.lockstep[collective]
+        extra = f"+{after.extra(LOCKSTEP_GAP_S, nbytes) * 1e3:.2f} ms"
+        if strategy == "downpour":  # a pull and a push, and the cores they keep busy
+            extra += f" / {after.extra_core(LOCKSTEP_GAP_S, nbytes) * 1e3:.2f} core-ms a pair"
+            note += f", beside calls {model.beside_calls:.3f}x"
+        note += f", {extra} after {LOCKSTEP_GAP_S * 1e3:g} ms of compute"
     return note
 
 

@@ -19,7 +19,9 @@ box drifts; calls by their mean, as a run pays the slow ones too):
 - what such a collective costs beyond that after the ranks computed for a while
   (`measure_lockstep`: waiting for the slower rank, gloo's threads waking up);
 - per Downpour config's model, the CPU its 1-thread step takes more while another process
-  makes calls to a shard (`measure_beside`: their copies share the caches);
+  makes calls to a shard (`measure_beside`: their copies share the caches); and what a
+  replica's pull + push costs after its compute beyond back to back
+  (`measure_shard_calls_after_compute`: Ray's threads wake up);
 - sync's weight averaging (`average_tensors`) between two processes by size;
 - a checkpoint write per byte, and the local part of sync's weight averaging per byte
   (one process alone, for calibrations without the two-process measurement).
@@ -54,7 +56,7 @@ from scaleout.sim.measure_calls import (
     shard_slices,
 )
 from scaleout.sim.measure_compute import measure_model
-from scaleout.sim.measure_lockstep import measure_lockstep
+from scaleout.sim.measure_lockstep import measure_lockstep, measure_shard_calls_after_compute
 from scaleout.sim.measuring import model_key, timed
 
 OPTIMIZERS = ("sgd", "momentum", "adagrad", "rmsprop", "adam")
@@ -164,6 +166,15 @@ def configs_per_model(configs: Sequence[Any]) -> dict[str, Any]:  # noqa: ANN401
     return chosen
 
 
+def downpour_slices(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:
+    """Values per shard call of every Downpour config (what its replicas pull and push)."""
+    sizes = set()
+    for config in configs:
+        if config.train.strategy == "downpour":
+            sizes.update(shard_slices(config, models[model_key(config)].num_parameters))
+    return sorted(sizes)
+
+
 def with_beside_calls(
     configs: Sequence[Any],  # noqa: ANN401 - RunConfigs
     models: dict[str, ModelCost],
@@ -190,11 +201,12 @@ def recalibrate(
     """`calibration` with what `configs`' runs lean on measured again now: their models'
     compute, and the calls and codecs their strategies use (a shard's pulls, pushes and
     updates for Downpour and Sandblaster; the all-reduce and the weight averaging for sync;
-    the exchange for model parallel). The rest (collectives after compute, checkpoints) is
-    kept. For a machine whose speed drifts between a calibration and a run: this one's
-    does, the calls more than the compute (a pull's fixed cost measured at 2.1 ms one time
-    and 3.8 ms minutes later; 4.7 ms in a calibration of the same morning), so the held-out
-    runs of `scaleout bench simulate` are priced by costs measured around each of them."""
+    the exchange for model parallel; a Downpour replica's calls after compute). The rest
+    (collectives after compute, checkpoints) is kept. For a machine whose speed drifts
+    between a calibration and a run: this one's does, the calls more than the compute (a
+    pull's fixed cost measured at 2.1 ms one time and 3.8 ms minutes later; 4.7 ms in a
+    calibration of the same morning), so the held-out runs of `scaleout bench simulate`
+    are priced by costs measured around each of them."""
     from scaleout.runtime import session
 
     fresh = calibration.model_copy(deep=True)
@@ -228,6 +240,10 @@ def recalibrate(
                 )
                 fresh.collect_s, fresh.collect_shard_s = measure_collect()
                 fresh.models = with_beside_calls(configs, fresh.models)
+                slices = downpour_slices(configs, fresh.models)
+                if slices:
+                    after = measure_shard_calls_after_compute(slices)
+                    fresh.lockstep = {**fresh.lockstep, "shard_calls": after}
     finally:
         torch.set_num_threads(threads)
     return fresh
@@ -269,8 +285,10 @@ def calibrate(
         sizes = shard_message_sizes(configs, models)
         pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
         collect = measure_collect()
-        say("a replica's step beside a shard's calls")
+        say("a replica's step beside a shard's calls, its calls after its compute")
         models = with_beside_calls(configs, models)
+        if downpour_slices(configs, models):
+            lockstep["shard_calls"] = measure_shard_calls_after_compute(sizes)
     return Calibration(
         host=socket.gethostname(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -184,26 +184,36 @@ class MessageCost(_Model):
 class LockstepCost(_Model):
     """What a collective of two processes of this machine costs after the ranks computed
     for a while, beyond its back-to-back price (`measure_lockstep`: the faster rank waits
-    for the slower, gloo's threads wake up). `extra_s[i][j]`: at `measured_bytes[i]` after
-    `gaps_s[j]` seconds of compute."""
+    for the slower, gloo's threads wake up); or a replica's pull and push through a shard
+    after its compute (`measure_shard_calls_after_compute`: Ray's threads in the caller,
+    the raylet and the shard wake up, their caches cold), with the core-seconds that adds.
+    `extra_s[i][j]` (and `extra_core_s[i][j]`): at `measured_bytes[i]` after `gaps_s[j]`
+    seconds of compute."""
 
     measured_bytes: list[PositiveInt]
     gaps_s: list[PositiveFloat]
     extra_s: list[list[float]]
+    extra_core_s: list[list[float]] = []  # empty: waiting only, no cores (a collective)
     _lines: list[tuple[float, float]] = PrivateAttr(default_factory=list)
+    _core_lines: list[tuple[float, float]] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _shape(self) -> LockstepCost:
         if self.gaps_s != sorted(self.gaps_s) or self.measured_bytes != sorted(self.measured_bytes):
             raise ValueError("measured_bytes and gaps_s must be ascending")
-        if len(self.extra_s) != len(self.measured_bytes) or any(
-            len(row) != len(self.gaps_s) for row in self.extra_s
-        ):
-            raise ValueError("extra_s needs one row per measured_bytes, one value per gap")
+        for name in ("extra_s", "extra_core_s"):
+            table = getattr(self, name)
+            if name == "extra_core_s" and not table:
+                continue
+            if len(table) != len(self.measured_bytes) or any(
+                len(row) != len(self.gaps_s) for row in table
+            ):
+                raise ValueError(f"{name} needs one row per measured_bytes, one value per gap")
         if len(set(self.gaps_s)) < 2:
             raise ValueError("gaps_s needs two distinct gaps at least (a line is fitted)")
         # per measured size, the least-squares (slope, intercept) through its gaps
-        self._lines = [statistics.linear_regression(self.gaps_s, row) for row in self.extra_s]
+        fit = lambda table: [statistics.linear_regression(self.gaps_s, row) for row in table]  # noqa: E731
+        self._lines, self._core_lines = fit(self.extra_s), fit(self.extra_core_s)
         return self
 
     def extra(self, gap_s: float, nbytes: float) -> float:
@@ -212,10 +222,17 @@ class LockstepCost(_Model):
         mean holds the rare long stall), at least 0, constant beyond the longest gap and
         falling to 0 below the shortest (back to back costs nothing extra); between sizes
         in log(bytes), constant beyond them."""
+        return self._at(self._lines, gap_s, nbytes)
+
+    def extra_core(self, gap_s: float, nbytes: float) -> float:
+        """The core-seconds those extra seconds keep busy (as `extra`; 0 when not measured)."""
+        return self._at(self._core_lines, gap_s, nbytes) if self._core_lines else 0.0
+
+    def _at(self, lines: list[tuple[float, float]], gap_s: float, nbytes: float) -> float:
         if gap_s <= 0:
             return 0.0
         at = min(max(gap_s, self.gaps_s[0]), self.gaps_s[-1])
-        per_size = [max(intercept + slope * at, 0.0) for slope, intercept in self._lines]
+        per_size = [max(intercept + slope * at, 0.0) for slope, intercept in lines]
         extra = interpolate(self.measured_bytes, per_size, max(nbytes, 1.0))
         return extra * min(gap_s / self.gaps_s[0], 1.0)
 
@@ -247,8 +264,9 @@ class Calibration(_Model):
     # a copy between two GPUs of one server)
     exchange: MessageCost | None = None
     # a lock-step collective after compute, beyond `allreduce` / `exchange`, by kind
-    # ("allreduce", "exchange"; missing: a file from before it was measured, or a hardware
-    # file: nothing extra)
+    # ("allreduce", "exchange"), and a replica's pull + push after its compute beyond
+    # `pull` and `push` ("shard_calls"); missing: a file from before it was measured, or a
+    # hardware file: nothing extra
     lockstep: dict[str, LockstepCost] = {}
     checkpoint_bytes_per_s: PositiveFloat = 200e6
     # flatten a list of tensors, scale it and copy it back (sync "average" mode's work

@@ -12,7 +12,8 @@ What runs, as the library runs it:
 - a replica (`ReplicaClient`, threads off) fetches every `n_fetch` steps from all shards at
   once, computes a step, and every `n_push` steps waits until its previous push is applied
   and collects its answers, encodes its gradient per shard, puts it into the object store,
-  zeroes its gradient buffer and goes on;
+  zeroes its gradient buffer and goes on; its first calls after computing cost more than
+  back to back (Ray's threads wake up: `_wake`);
 - with `downpour.threads` (`ps.client._Pipeline`) a replica's fetch and push run in threads
   of their own beside its compute, on its machine's cores: the fetch thread pulls all shards
   whenever `n_fetch` steps have passed since it was last asked, into a buffer the compute
@@ -182,16 +183,19 @@ class DownpourSim(ShardCalls, ReplicaThreads):
             if threads is not None:
                 yield from self._adopt(replica, threads)
             elif replica.steps % self.opts.n_fetch == 0:
+                yield from self._wake(replica)
                 yield from self._fetch(replica, replica.versions)
             computing = self.env.now
             yield from machine.compute(step_s, self.threads)
             pushing = self.env.now
+            replica.computed_s += pushing - computing
             replica.steps += 1
             self.step_ends.append(self.env.now)
             if replica.steps % self.opts.n_push == 0:
                 if threads is not None:
                     yield from self._hand_over(replica, threads)
                 else:
+                    yield from self._wake(replica)
                     yield from self._push(replica)
             replica.fetch_s += computing - started
             replica.compute_s += pushing - computing
@@ -206,6 +210,19 @@ class DownpourSim(ShardCalls, ReplicaThreads):
         _, (wall, cpu) = self.cal.pull.sides(0)  # the answer: a call's callee side, no payload
         yield from machine.call(wall, cpu)
         yield from self._driver_turn()
+
+    def _wake(self, replica: Replica) -> Process:
+        """The first calls of a replica's compute thread after it computed: Ray's threads
+        (in the replica, the raylet, the shards) wake up, their caches cold. Priced once
+        per run of compute, on the replica's machine, as measured for a pull and a push
+        after that much compute (`Calibration.lockstep["shard_calls"]`)."""
+        after = self.cal.lockstep.get("shard_calls")
+        computed, replica.computed_s = replica.computed_s, 0.0
+        if after is None or computed <= 0:
+            return
+        nbytes = max(self.pull_bytes)
+        wall, cores = after.extra(computed, nbytes), after.extra_core(computed, nbytes)
+        yield from self.cluster.machines[replica.machine].call(wall, cores)
 
     def _look(self, replica: Replica) -> Process:
         """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a

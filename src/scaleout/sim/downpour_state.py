@@ -59,3 +59,5 @@ class Replica:
     window: list[float] | None = None
     # per shard, its last call from this replica: ends when the shard has served it
     calls: dict[int, simpy.Event] = field(default_factory=dict)
+    # seconds its compute thread computed since it last called a shard (threads off)
+    computed_s: float = 0.0

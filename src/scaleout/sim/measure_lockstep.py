@@ -16,24 +16,42 @@ the all-to-all, placing). Per gap and message size the extra is the mean seconds
 collective, over both ranks, less the mean of the same collective back to back. A step's
 wall time is each rank's compute plus its wait, so the mean over ranks of the waits is what
 a simulated collective adds to the simulated (mean) compute before it.
+
+A Downpour replica's calls after its compute cost more than back to back too: Ray's
+threads in the replica, the raylet and the shard slept meanwhile and their caches went
+cold. `measure_shard_calls_after_compute` has this process compute for a gap, then pull
+from and push to a real one-shard server (waiting for the update, as back to back), over
+and over; per size and gap, the pair's mean wall seconds and all-process core-seconds (the
+compute's own CPU taken out) less the same pair back to back. Measured here at 0.4 MB:
++1.2 to +1.9 ms and +1.4 to +2.3 core-ms a pair after 5-10 ms of compute (back to back
+4.1 ms and 5.6 core-ms); at 3.7 MB about +1.3 ms.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from scaleout.sim.calibration import LockstepCost
-from scaleout.sim.measure_calls import allreduce_call, exchange_call, gloo_pair, on_two_ranks
+from scaleout.sim.measure_calls import (
+    allreduce_call,
+    busy_cores_s,
+    exchange_call,
+    gloo_pair,
+    measure_idle,
+    on_two_ranks,
+)
 
 COLLECTIVES = {"allreduce": allreduce_call, "exchange": exchange_call}
 
 LOCKSTEP_SIZES = (1_000, 300_000)  # values all-reduced (4 KB, 1.2 MB)
 LOCKSTEP_GAPS_S = (1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3)
+SHARD_CALL_GAPS_S = (2e-3, 8e-3, 32e-3)  # a small model's step to a big one's window
+SHARD_CALL_SAMPLE_S = 1.0  # at least, per (size, gap): the CPU counters tick at 100 Hz
 SAMPLE_S = 1.0  # at least, per (size, gap), over all rounds: a mean holds rare long stalls
 ROUNDS = 4  # every point sampled in each round: the box drifts within seconds
 MIN_CALLS, BACK_TO_BACK_CALLS = 10, 75  # per round
@@ -136,4 +154,73 @@ def measure_lockstep(
         measured_bytes=[4 * s for s in sizes],
         gaps_s=[gap_axis[i] for i in order],
         extra_s=[[row[i] for i in order] for row in extra],
+    )
+
+
+def _pairs(
+    pair: Callable[[], None], filler: _Filler | None, gap_s: float, idle: float
+) -> tuple[float, float]:
+    """Mean (wall seconds, all-process core-seconds) of `pair()` after `gap_s` of compute
+    each, over at least `SHARD_CALL_SAMPLE_S`; the compute's own CPU and `idle` cores of
+    background taken out."""
+    walls, computed = [], 0.0
+    busy, started = busy_cores_s(), time.perf_counter()
+    while len(walls) < MIN_CALLS or time.perf_counter() - started < SHARD_CALL_SAMPLE_S:
+        if filler is not None:
+            began = time.thread_time()
+            filler.run(gap_s)
+            computed += time.thread_time() - began
+        began = time.perf_counter()
+        pair()
+        walls.append(time.perf_counter() - began)
+    elapsed, after = time.perf_counter() - started, busy_cores_s()
+    cores = 0.0
+    if busy is not None and after is not None:
+        cores = max(after - busy - computed - idle * elapsed, 0.0) / len(walls)
+    return statistics.mean(walls), cores
+
+
+def measure_shard_calls_after_compute(
+    sizes: Sequence[int], gaps_s: Sequence[float] = SHARD_CALL_GAPS_S
+) -> LockstepCost:
+    """A replica's pull + push of `sizes` values (float32) through a real one-shard server
+    after `gaps_s` of compute, beyond the same pair back to back: extra seconds and extra
+    core-seconds (see the module docstring). Needs Ray up (a session)."""
+    from scaleout.ps import ParameterServer
+    from scaleout.train.config import TrainSection
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a replica of one thread
+    filler = _Filler()
+    extra, extra_core = [], []
+    try:
+        for size in sizes:
+            server = ParameterServer.create(torch.zeros(size), 1, TrainSection(optimizer="sgd"))
+            try:
+                values, grad = torch.empty(size), torch.randn(size)
+
+                def pair(
+                    s: ParameterServer = server, v: torch.Tensor = values, g: torch.Tensor = grad
+                ) -> None:
+                    s.pull_into(v)
+                    pushes, _ = s.push(g, [0])
+                    s.settle(pushes)
+
+                for _ in range(WARMUP * 5):  # the object store's memory used once
+                    pair()
+                idle = measure_idle(1.0)
+                wall, cores = _pairs(pair, None, 0.0, idle)
+                after = [_pairs(pair, filler, gap, idle) for gap in gaps_s]
+                extra.append([max(w - wall, 0.0) for w, _ in after])
+                extra_core.append([max(c - cores, 0.0) for _, c in after])
+            finally:
+                server.kill()
+    finally:
+        torch.set_num_threads(threads)
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    return LockstepCost(
+        measured_bytes=[4 * sizes[i] for i in order],
+        gaps_s=list(gaps_s),
+        extra_s=[extra[i] for i in order],
+        extra_core_s=[extra_core[i] for i in order],
     )
