@@ -6,9 +6,9 @@ serving them, run on the same machine: Ray's threads in several processes copy m
 in and out of its object store and evict the step's weights from the caches they share.
 The step then needs more CPU, not only less of the cores (the simulator shares those out
 itself). Measured on this box for the demo's MLP beside calls of its 0.93M-value shards:
-+3.1 to +5.7% CPU a step (wall +8 to +19%, the rest being the cores the calls take); a
-real 2x2 run's steps took +3.6% against its warm start's, where one replica computed with
-no other calls in flight.
++3 to +10% CPU a step across calibrations (wall +8 to +19% in one, the rest being the
+cores the calls take); a real 2x2 run's steps took +3.6% against its warm start's, where
+one replica computed with no other calls in flight.
 
 `measure_beside_calls` steps the model in a spawned process (one thread, thread CPU per
 step) in rounds, alternately with this process idle and with it making back-to-back
