@@ -304,3 +304,20 @@ def test_a_step_beside_a_shards_calls_is_measured_against_the_step_alone(ray_ses
     )
     factor = measure_beside_calls(config, 25_000)
     assert 1.0 <= factor < 1.5
+
+
+def test_a_calls_measurement_leaves_out_the_compute_before_each_call():
+    """`measure_call(before=...)`: 2 ms of this thread's compute ahead of each call are
+    neither in the call's wall time nor in its core-seconds."""
+    import time
+
+    from scaleout.sim.measure_calls import measure_call
+
+    def compute() -> None:
+        end = time.perf_counter() + 2e-3
+        while time.perf_counter() < end:
+            pass
+
+    cost = measure_call(lambda: None, idle=0.0, min_s=0.2, warmup=0, before=compute)
+    assert cost.wall_s < 1e-3
+    assert cost.caller_cpu_s < 1e-3  # a call's 2 ms of compute would show here

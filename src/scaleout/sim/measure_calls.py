@@ -57,29 +57,41 @@ class CallCost:
 
 
 def measure_call(
-    fn: Callable[[], float | None], idle: float, min_s: float = 0.8, warmup: int = 20
+    fn: Callable[[], float | None],
+    idle: float,
+    min_s: float = 0.8,
+    warmup: int = 20,
+    before: Callable[[], None] | None = None,
 ) -> CallCost:
     """`fn()` repeated for at least `min_s` (the CPU counters tick at 100 Hz), after
     `warmup` calls (Ray's object store is slower until its memory has been used once); the
     machine's busy cores less `idle` cores of background. `fn` may return the seconds its
     caller was held up, when that is less than the whole call. Means, not medians: a pull
     of 3.7 MB took 2.5 ms at the median and 3.2 ms on average here (one in ten took more
-    than 5 ms), and a run pays every call; the core-seconds are a mean already."""
+    than 5 ms), and a run pays every call; the core-seconds are a mean already. `before`:
+    run ahead of each timed call (a caller's compute), its own thread CPU not counted."""
     for _ in range(warmup):
         fn()
     times: list[float] = []
     held: list[float] = []
+    excluded = 0.0  # thread CPU of `before`
     busy, own, started = busy_cores_s(), time.process_time(), time.perf_counter()
     while len(times) < 9 or time.perf_counter() - started < min_s:
+        if before is not None:
+            began = time.thread_time()
+            before()
+            excluded += time.thread_time() - began
         begin = time.perf_counter()
         caller = fn()
         times.append(time.perf_counter() - begin)
         if caller is not None:
             held.append(caller)
     elapsed, calls = time.perf_counter() - started, len(times)
-    caller_cpu = (time.process_time() - own) / calls
+    caller_cpu = (time.process_time() - own - excluded) / calls
     after = busy_cores_s()
-    total = None if busy is None or after is None else (after - busy - idle * elapsed) / calls
+    total = None
+    if busy is not None and after is not None:
+        total = (after - busy - excluded - idle * elapsed) / calls
     caller_wall = statistics.mean(held) if held else None
     return CallCost(statistics.mean(times), total, caller_cpu, caller_wall)
 

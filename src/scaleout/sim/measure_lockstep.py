@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,9 +39,9 @@ import torch
 from scaleout.sim.calibration import LockstepCost
 from scaleout.sim.measure_calls import (
     allreduce_call,
-    busy_cores_s,
     exchange_call,
     gloo_pair,
+    measure_call,
     measure_idle,
     on_two_ranks,
 )
@@ -157,29 +157,6 @@ def measure_lockstep(
     )
 
 
-def _pairs(
-    pair: Callable[[], None], filler: _Filler | None, gap_s: float, idle: float
-) -> tuple[float, float]:
-    """Mean (wall seconds, all-process core-seconds) of `pair()` after `gap_s` of compute
-    each, over at least `SHARD_CALL_SAMPLE_S`; the compute's own CPU and `idle` cores of
-    background taken out."""
-    walls, computed = [], 0.0
-    busy, started = busy_cores_s(), time.perf_counter()
-    while len(walls) < MIN_CALLS or time.perf_counter() - started < SHARD_CALL_SAMPLE_S:
-        if filler is not None:
-            began = time.thread_time()
-            filler.run(gap_s)
-            computed += time.thread_time() - began
-        began = time.perf_counter()
-        pair()
-        walls.append(time.perf_counter() - began)
-    elapsed, after = time.perf_counter() - started, busy_cores_s()
-    cores = 0.0
-    if busy is not None and after is not None:
-        cores = max(after - busy - computed - idle * elapsed, 0.0) / len(walls)
-    return statistics.mean(walls), cores
-
-
 def measure_shard_calls_after_compute(
     sizes: Sequence[int], gaps_s: Sequence[float] = SHARD_CALL_GAPS_S
 ) -> LockstepCost:
@@ -209,10 +186,16 @@ def measure_shard_calls_after_compute(
                 for _ in range(WARMUP * 5):  # the object store's memory used once
                     pair()
                 idle = measure_idle(1.0)
-                wall, cores = _pairs(pair, None, 0.0, idle)
-                after = [_pairs(pair, filler, gap, idle) for gap in gaps_s]
-                extra.append([max(w - wall, 0.0) for w, _ in after])
-                extra_core.append([max(c - cores, 0.0) for _, c in after])
+                alone = measure_call(pair, idle, SHARD_CALL_SAMPLE_S, warmup=0)
+                after = [
+                    measure_call(
+                        pair, idle, SHARD_CALL_SAMPLE_S, 0, lambda gap=gap: filler.run(gap)
+                    )
+                    for gap in gaps_s
+                ]
+                cores = alone.cpu_s or 0.0  # none without /proc: no extra core-seconds
+                extra.append([max(a.wall_s - alone.wall_s, 0.0) for a in after])
+                extra_core.append([max((a.cpu_s or 0.0) - cores, 0.0) for a in after])
             finally:
                 server.kill()
     finally:
