@@ -49,6 +49,12 @@ def fails_before_writing(tmp_path: Path, config: str, *overrides: str) -> str:
         ("configs/mnist_sandblaster.toml", ["sandblaster.num_shards=100000000"], "num_shards"),
         # found by the property test: 10^12 loader processes exhausted memory (OOM)
         ("configs/mnist_single.toml", ["loader.workers=1000000000000"], "loader.workers"),
+        # found by the property test: torch.set_num_threads overflowed its C int in a worker
+        ("configs/autoencoder_model_parallel.toml", ["run.num_threads=2147483648"], "num_threads"),
+        # 2^31 L-BFGS pairs: the coordinator's list of them exhausted memory
+        ("configs/mnist_sandblaster.toml", ["sandblaster.history=2147483648"], "history"),
+        # 2^31 copies of every patch: an allocation of petabytes
+        ("configs/autoencoder_model_parallel.toml", ["data.channels=2147483648"], "channels"),
     ],
 )
 def test_validation_errors_before_any_worker(tmp_path, config, overrides, names):

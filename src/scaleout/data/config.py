@@ -118,7 +118,8 @@ class PatchData(DataSource):
 
     dataset: Literal["patches"]
     patch_size: PositiveInt = 16
-    channels: PositiveInt = 1
+    # copies of the grey patch (a colour network's input); every copy is held in memory
+    channels: Annotated[int, Field(ge=1, le=64)] = 1
     num_train: PositiveInt = 10_000
     num_test: PositiveInt = 1_000
     images: list[str] | None = None  # default: every bundled photo

@@ -22,7 +22,9 @@ class RunSection(Section):
     seed: NonNegativeInt = 0
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")] = "auto"
     out_dir: Path = Path("runs")
-    num_threads: PositiveInt | None = None  # torch intra-op threads; None: torch's default
+    # torch intra-op threads; None: torch's default (at most 1024: torch takes a C int, and
+    # no machine we run on has more cores)
+    num_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
     address: str | None = None  # Ray cluster to join: "auto", "host:port"; None: embedded
     tensorboard: bool = False  # also write TensorBoard event files beside metrics.jsonl
 

@@ -19,7 +19,9 @@ class SandblasterSection(Section):
 
     num_replicas: PositiveInt = 2
     num_shards: PositiveInt = 2
-    history: PositiveInt = 10  # L-BFGS memory m: (s, y) pairs kept on the shards
+    # L-BFGS memory m: (s, y) pairs kept on the shards (2m vectors a shard; the usual m is
+    # 3-20, and the coordinator keeps m scalars)
+    history: Annotated[int, Field(ge=1, le=1000)] = 10
     portion_size: PositiveInt = 1000  # examples per portion handed to a replica
     batch_size: PositiveInt | None = None  # examples per L-BFGS batch; None: the training set
     push_every: PositiveInt = 4  # accepted portions a replica sums before pushing to shards
