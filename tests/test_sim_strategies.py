@@ -503,3 +503,14 @@ def test_lockstep_measures_each_gap_on_two_ranks():
     assert 0.5e-3 < cost.gaps_s[0] < cost.gaps_s[1] < 30e-3
     with pytest.raises(ValueError, match="kind must be one of"):
         measure_lockstep("broadcast")
+
+
+def test_shard_updates_are_priced_per_value_for_every_optimizer():
+    """Measured as a shard meets them (cold, a new gradient each): every optimizer has a
+    price, and Adagrad's three passes over its state cost more than SGD's one."""
+    from scaleout.sim.calibrate import OPTIMIZERS, measure_apply
+
+    prices = measure_apply(numel=200_000, repeats=9)
+    assert set(prices) == set(OPTIMIZERS)
+    assert all(0 < ns < 1_000 for ns in prices.values()), prices
+    assert prices["adagrad"] > prices["sgd"], prices
