@@ -13,7 +13,12 @@ def test_cases_are_valid_configs_with_a_simulation(tmp_path):
     assert len(CASES) >= 12 and len({case.name for case in CASES}) == len(CASES)
     for case in CASES:
         config = load_config(_configs_dir() / case.config, _overrides(case, tmp_path))
-        assert config.train.steps == 400
+        # short runs, the small MLP's 5x longer (its steps are 8x shorter), each with two
+        # evaluations and a checkpoint as a user's run has them
+        small = getattr(config.model, "sizes", None) == [784, 256, 10]
+        assert config.train.steps == (2000 if small else 400), case.name
+        assert config.train.eval_every * 2 == config.train.steps, case.name
+        assert config.train.checkpoint_every == config.train.steps, case.name
         assert simulation_for(config.train.strategy) is not None
 
 
