@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from scaleout.sim.measure_calls import shard_round_trip
 from scaleout.sim.measuring import START_AND_STEP_S
 
 ROUNDS = 6  # of each condition, alternately: the box drifts within seconds
@@ -63,9 +64,7 @@ def _calls(numel: int, running: threading.Event, stop: threading.Event) -> None:
         while not stop.is_set():
             if not running.wait(timeout=0.05):
                 continue
-            server.pull_into(values)
-            pushes, _ = server.push(grad, [0])
-            server.settle(pushes)
+            shard_round_trip(server, values, grad)
     finally:
         server.kill()
 

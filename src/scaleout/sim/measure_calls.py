@@ -12,12 +12,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scaleout.sim.calibration import MessageCost, ModelCost
 from scaleout.sim.measuring import fit_line, in_processes, model_key
+
+if TYPE_CHECKING:
+    from scaleout.ps import ParameterServer
 
 MESSAGE_SIZES = (65_536, 1_048_576, 4_194_304)  # values (float32)
 ALLREDUCE_SIZES = (16_384, 65_536, 262_144, 1_048_576, 4_194_304)
@@ -189,6 +192,14 @@ def measure_shard_messages(
         finally:
             server.kill()
     return message_cost(nbytes, pulls), message_cost(nbytes, pushes), statistics.median(idles)
+
+
+def shard_round_trip(server: ParameterServer, values: torch.Tensor, grad: torch.Tensor) -> None:
+    """A replica's pull into `values`, then its push of `grad`, waited for until every
+    shard applied it: the pair the after-compute and beside-calls measurements repeat."""
+    server.pull_into(values)
+    pushes, _ = server.push(grad, [0] * len(server.shards))
+    server.settle(pushes)
 
 
 def measure_collect(

@@ -29,6 +29,7 @@ compute's own CPU taken out) less the same pair back to back. Measured here at 0
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ from scaleout.sim.measure_calls import (
     measure_call,
     measure_idle,
     on_two_ranks,
+    shard_round_trip,
 )
 
 COLLECTIVES = {"allreduce": allreduce_call, "exchange": exchange_call}
@@ -175,13 +177,7 @@ def measure_shard_calls_after_compute(
             server = ParameterServer.create(torch.zeros(size), 1, TrainSection(optimizer="sgd"))
             try:
                 values, grad = torch.empty(size), torch.randn(size)
-
-                def pair(
-                    s: ParameterServer = server, v: torch.Tensor = values, g: torch.Tensor = grad
-                ) -> None:
-                    s.pull_into(v)
-                    pushes, _ = s.push(g, [0])
-                    s.settle(pushes)
+                pair = functools.partial(shard_round_trip, server, values, grad)
 
                 for _ in range(WARMUP * 5):  # the object store's memory used once
                     pair()
