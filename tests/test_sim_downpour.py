@@ -592,6 +592,12 @@ def test_byte_counts_equal_a_real_runs(tmp_path, link, sent):
     assert sim.bytes_by_kind["push"] == sum(r["bytes_sent"] for r in records) == 14 * per_push
     assert sim.extra["pulls"] == 20  # every n_fetch = 2 steps
     assert sim.bytes_by_kind["pull"] == sum(r["bytes_received"] for r in records)
+    # a window's compute, fetches and pushes are apart, as the simulation counts them:
+    # together they fit within the wall time between two pushes (time_s: 0.1 ms steps)
+    sequential = [r for r in records if r["threads"] is not True]
+    for before, after in zip(sequential, sequential[1:], strict=False):
+        parts = after["compute_s"] + after["fetch_s"] + after["push_s"]
+        assert parts <= after["time_s"] - before["time_s"] + 2e-4, after
 
 
 def test_payload_size_is_the_encoded_length():

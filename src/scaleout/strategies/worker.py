@@ -210,9 +210,9 @@ class Worker(WorkerState, OnShards):
             wait_s += time.perf_counter() - waiting
             if phase_steps and self.step % phase_steps == 0:  # a phase's first minibatch
                 self.objective.begin_phase(self.model, batch, self.phase)
-            computing = time.perf_counter()
             if self.client is not None:
-                self.client.before_step()
+                self.client.before_step()  # a fetch when one is due: not compute
+            computing = time.perf_counter()
             loss, step_sums = self.objective.step(self.model, self.network, batch, self.phase)
             if self.client is None:
                 assert self.optimizer is not None
