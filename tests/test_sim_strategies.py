@@ -514,3 +514,38 @@ def test_shard_updates_are_priced_per_value_for_every_optimizer():
     assert set(prices) == set(OPTIMIZERS)
     assert all(0 < ns < 1_000 for ns in prices.values()), prices
     assert prices["adagrad"] > prices["sgd"], prices
+
+
+def test_the_optimizer_is_timed_after_a_fresh_step(monkeypatch):
+    """The calibration times the optimizer as a sync worker runs it: each timed step comes
+    after zeroing the gradients and a new forward and backward pass, not back to back on
+    one warm gradient (which runs from the caches and costs less)."""
+    import scaleout.nn.optim as optim
+    from scaleout.sim.measure_compute import _Stepper, optimizer_after_step
+
+    config = load_config(
+        "configs/mnist_sync.toml",
+        ["run.device=cpu", "model.sizes=[784,16,10]", "model.dropout=[0.2,0.5]"],
+    )
+    stepper = _Stepper(config)
+    events: list[str] = []
+    step = stepper.step
+    monkeypatch.setattr(stepper, "step", lambda *a: (events.append("pass"), step(*a))[1])
+    build = optim.build_optimizer
+
+    def spied(params, train):
+        optimizer = build(params, train)
+        zero, update = optimizer.zero_grad, optimizer.step
+        optimizer.zero_grad = lambda **kw: (events.append("zero"), zero(**kw))[1]
+
+        def timed_step():
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+            events.append("update" if all(g is not None for g in grads) else "no gradient")
+            return update()
+
+        optimizer.step = timed_step
+        return optimizer
+
+    monkeypatch.setattr(optim, "build_optimizer", spied)
+    assert optimizer_after_step(stepper, 3) > 0
+    assert events == ["zero", "pass", "update"] * 4  # the first builds the state, untimed

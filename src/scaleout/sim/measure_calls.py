@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 MESSAGE_SIZES = (65_536, 1_048_576, 4_194_304)  # values (float32)
 ALLREDUCE_SIZES = (16_384, 65_536, 262_144, 1_048_576, 4_194_304)
-ALLREDUCE_MIN_S = 0.5  # of all-reduces per size
+ALLREDUCE_MIN_S = 1.0  # of calls per size, in all rounds together
+ALLREDUCE_ROUNDS = 4
 AVERAGE_SIZES = (262_144, 1_048_576, 4_194_304)
 AVERAGE_PIECES = 8  # tensors averaged together (a small network's weights and state)
 
@@ -239,11 +240,9 @@ def measure_collect(
     return max(fixed, 0.0), max(per_shard, 0.0)
 
 
-def _per_call(once: Callable[[], None]) -> tuple[float, float]:
-    """Mean wall seconds of `once()` (a collective of two gloo ranks) and this process's CPU
-    seconds per call, gloo's threads included: both ranks make as many calls, enough for
-    `ALLREDUCE_MIN_S`. Means, not medians: gloo's threads poll, so a median call's wall time
-    against the mean CPU would claim more cores than the machine has."""
+def _calls_for(once: Callable[[], None], seconds: float) -> int:
+    """How many calls of `once()` (a collective of two gloo ranks) last `seconds`, at
+    least 9, agreed by both ranks (each makes as many)."""
     import torch.distributed as dist
 
     for _ in range(3):
@@ -252,13 +251,9 @@ def _per_call(once: Callable[[], None]) -> tuple[float, float]:
     for _ in range(3):
         once()
     each = max((time.perf_counter() - began) / 3, 1e-6)
-    count = torch.tensor([max(9, math.ceil(ALLREDUCE_MIN_S / each))])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # both ranks make as many
-    calls = int(count.item())
-    own, started = time.process_time(), time.perf_counter()
-    for _ in range(calls):
-        once()
-    return (time.perf_counter() - started) / calls, (time.process_time() - own) / calls
+    count = torch.tensor([max(9, math.ceil(seconds / each))])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 @contextmanager
@@ -291,14 +286,35 @@ def _two_ranks(
     call_for: Callable[[int, int], Callable[[], None]],
     out: Any,  # noqa: ANN401
 ) -> None:
-    """One of two gloo ranks: per size, `_per_call` of `call_for(rank, size)`."""
+    """One of two gloo ranks: per size, the mean wall seconds of a call of `call_for(rank,
+    size)` and this process's CPU seconds per call, gloo's threads included. Means, not
+    medians: gloo's threads poll, so a median call's wall time against the mean CPU would
+    claim more cores than the machine has. The sizes take turns over `ALLREDUCE_ROUNDS`
+    rounds of `ALLREDUCE_MIN_S / ALLREDUCE_ROUNDS` each: a call's mean drifts by 10-30%
+    from one half second to the next here (an 814 KB all-reduce measured 0.93 ms and 1.77
+    ms minutes apart in single half-second samples), and the sizes' costs are compared
+    with one another."""
     with gloo_pair(rank, port):
-        walls, cpus = [], []
-        for size in sizes:
-            wall, cpu = _per_call(call_for(rank, size))
-            walls.append(wall)
-            cpus.append(cpu)
-        out.put((rank, (walls, cpus)))
+        calls = [call_for(rank, size) for size in sizes]
+        counts = [_calls_for(once, ALLREDUCE_MIN_S / ALLREDUCE_ROUNDS) for once in calls]
+        walls, cpus = [0.0] * len(sizes), [0.0] * len(sizes)
+        for _ in range(ALLREDUCE_ROUNDS):
+            for i, (once, count) in enumerate(zip(calls, counts, strict=True)):
+                own, started = time.process_time(), time.perf_counter()
+                for _ in range(count):
+                    once()
+                walls[i] += time.perf_counter() - started
+                cpus[i] += time.process_time() - own
+        total = [count * ALLREDUCE_ROUNDS for count in counts]
+        out.put(
+            (
+                rank,
+                (
+                    [w / n for w, n in zip(walls, total, strict=True)],
+                    [c / n for c, n in zip(cpus, total, strict=True)],
+                ),
+            )
+        )
 
 
 def allreduce_call(rank: int, size: int) -> Callable[[], None]:
