@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 MESSAGE_SIZES = (65_536, 1_048_576, 4_194_304)  # values (float32)
 ALLREDUCE_SIZES = (16_384, 65_536, 262_144, 1_048_576, 4_194_304)
-ALLREDUCE_MIN_S = 1.0  # of calls per size, in all rounds together
-ALLREDUCE_ROUNDS = 4
+COLLECTIVE_MIN_S = 1.0  # of two-process collectives per size, in all rounds together
+COLLECTIVE_ROUNDS = 4
 AVERAGE_SIZES = (262_144, 1_048_576, 4_194_304)
 AVERAGE_PIECES = 8  # tensors averaged together (a small network's weights and state)
 
@@ -289,32 +289,25 @@ def _two_ranks(
     """One of two gloo ranks: per size, the mean wall seconds of a call of `call_for(rank,
     size)` and this process's CPU seconds per call, gloo's threads included. Means, not
     medians: gloo's threads poll, so a median call's wall time against the mean CPU would
-    claim more cores than the machine has. The sizes take turns over `ALLREDUCE_ROUNDS`
-    rounds of `ALLREDUCE_MIN_S / ALLREDUCE_ROUNDS` each: a call's mean drifts by 10-30%
+    claim more cores than the machine has. The sizes take turns over `COLLECTIVE_ROUNDS`
+    rounds of `COLLECTIVE_MIN_S / COLLECTIVE_ROUNDS` each: a call's mean drifts by 10-30%
     from one half second to the next here (an 814 KB all-reduce measured 0.93 ms and 1.77
     ms minutes apart in single half-second samples), and the sizes' costs are compared
     with one another."""
     with gloo_pair(rank, port):
         calls = [call_for(rank, size) for size in sizes]
-        counts = [_calls_for(once, ALLREDUCE_MIN_S / ALLREDUCE_ROUNDS) for once in calls]
+        counts = [_calls_for(once, COLLECTIVE_MIN_S / COLLECTIVE_ROUNDS) for once in calls]
         walls, cpus = [0.0] * len(sizes), [0.0] * len(sizes)
-        for _ in range(ALLREDUCE_ROUNDS):
+        for _ in range(COLLECTIVE_ROUNDS):
             for i, (once, count) in enumerate(zip(calls, counts, strict=True)):
                 own, started = time.process_time(), time.perf_counter()
                 for _ in range(count):
                     once()
                 walls[i] += time.perf_counter() - started
                 cpus[i] += time.process_time() - own
-        total = [count * ALLREDUCE_ROUNDS for count in counts]
-        out.put(
-            (
-                rank,
-                (
-                    [w / n for w, n in zip(walls, total, strict=True)],
-                    [c / n for c, n in zip(cpus, total, strict=True)],
-                ),
-            )
-        )
+        total = [count * COLLECTIVE_ROUNDS for count in counts]
+        per_call = lambda sums: [v / n for v, n in zip(sums, total, strict=True)]  # noqa: E731
+        out.put((rank, (per_call(walls), per_call(cpus))))
 
 
 def allreduce_call(rank: int, size: int) -> Callable[[], None]:
