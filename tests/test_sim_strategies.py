@@ -40,8 +40,10 @@ def calibration(
     codecs: dict[str, CodecCost] | None = None,
     flatten_bytes_per_s: float = 1e30,
     parameter_numels: list[int] | None = None,
+    backward_fraction: float | None = None,
 ) -> Calibration:
     cost = ModelCost(
+        backward_fraction=backward_fraction,
         num_parameters=num_parameters,
         batch_size=1,
         train_s={1: per_example_s},
@@ -211,6 +213,56 @@ def test_sync_buckets_overlap_backward(latency):
         expected = forward + backward / 4 + 4 * ring
     assert result.step_s == pytest.approx(expected, rel=REL)
     assert result.extra["exposed_communication_s"] == pytest.approx(expected - compute, rel=REL)
+
+
+def test_sync_backward_takes_the_measured_share_of_a_step():
+    """With a measured backward share (a quarter here, not the default two thirds), the
+    buckets become ready over that quarter of the step: the rings queue up behind a
+    shorter backward."""
+    n, bandwidth, latency = 2, 1e9, 2e-3
+    config, setting = sync_setting([], n, 2, bandwidth, latency, backward_fraction=0.25)
+    result = SyncSim(config, setting, bucket_cap_mb=1.0).run()
+    compute = 1e-3 * 128 / n
+    forward, backward = compute * 0.75, compute * 0.25
+    ring = 2 * (n - 1) * (latency + 4 * N_PARAMS / 4 / n / bandwidth)
+    assert ring > backward / 4
+    assert result.step_s == pytest.approx(forward + backward / 4 + 4 * ring, rel=REL)
+
+
+@pytest.mark.parametrize(("forward_s", "backward_s"), [(0.002, 0.006), (0.006, 0.002)])
+def test_the_backward_share_is_measured_apart_from_forward(forward_s, backward_s):
+    """`_Stepper.backward_fraction` times the forward pass (and loss) and backward apart:
+    a step of 2 ms forward and 6 ms backward is three quarters backward, the reverse a
+    quarter (sleeps overshoot a little on a busy machine: a margin either way)."""
+    import time
+
+    import torch
+
+    from scaleout.sim.measure_compute import _Stepper
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(backward_s)
+            return grad
+
+    def step(model, network, batch, phase):
+        time.sleep(forward_s)
+        return SlowBackward.apply(torch.ones(1, requires_grad=True)).sum(), {}
+
+    config = load_config(
+        "configs/mnist_sync.toml",
+        ["run.device=cpu", "model.sizes=[784,16,10]", "model.dropout=[0.2,0.5]"],
+    )
+    stepper = _Stepper(config)
+    stepper.objective.step = step
+    stepper.next_batch = lambda: ()  # the step above takes no data
+    share = backward_s / (forward_s + backward_s)
+    assert stepper.backward_fraction(5) == pytest.approx(share, abs=0.12)
 
 
 def test_sync_average_every_two_steps():

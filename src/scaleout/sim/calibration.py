@@ -61,6 +61,9 @@ class ModelCost(_Model):
     phase_eval_s: list[PositiveFloat] = []
     load_s: float = 0.0  # seconds per example of the loader alone (within train_s)
     optimizer_s: float = 0.0  # seconds per step of the config's optimizer on the whole model
+    # the share of a 1-thread step that is backward (the rest: loading, forward, the loss);
+    # None: not measured (a hardware file), `scaleout.sim.sync.BACKWARD_FRACTION` stands
+    backward_fraction: float | None = Field(default=None, gt=0, lt=1)
     train_size: int = 0  # examples in the training and test sets
     test_size: int = 0
     # the share of a step of `batch_size` that does not shrink with the batch (Python,

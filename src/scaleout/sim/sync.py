@@ -5,8 +5,8 @@ What runs, as the library runs it (`Lockstep` driver, `Worker.train_chunk`):
 - the driver hands every worker the same chunk of steps, up to the next metrics line,
   evaluation or checkpoint (`driver_chunks`); a chunk's call and answer cost a Ray call;
 - a step: every worker computes forward and backward on its slice of `train.batch_size`
-  (`batch // workers` examples, `ModelCost.step_s` at `run.num_threads` threads; forward is
-  the first third of it, backward the other `BACKWARD_FRACTION`);
+  (`batch // workers` examples, `ModelCost.step_s` at `run.num_threads` threads; backward
+  is the measured `ModelCost.backward_fraction` of it, else `BACKWARD_FRACTION`);
 - loading (`ModelCost.load_s` per example, within the step's cost): with `loader.workers =
   0` the worker loads its slice itself before forward; otherwise a loader process on the
   worker's machine prepares the next slice while the step runs (Ding et al.'s parallel
@@ -65,7 +65,7 @@ from scaleout.sim.engine import Cluster, Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 
-BACKWARD_FRACTION = 2 / 3  # of a training step; forward (and loading) is the rest
+BACKWARD_FRACTION = 2 / 3  # of a training step unless measured; forward (and loading) the rest
 BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb (MiB)
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed's default, 1 MiB)
 STEADY_STEPS = 20  # simulated on N > 1 machines when the run itself is longer
@@ -275,10 +275,11 @@ class SyncSim:
         self.where = [w % machines for w in range(self.num_workers)]
         self.numel = self.cost.num_parameters
         self.step_s = self.cost.step_s(self.train.batch_size // self.num_workers, self.threads)
+        self.backward_s = self.step_s * (self.cost.backward_fraction or BACKWARD_FRACTION)
         self.loader_workers = config.loader.workers
         # the slice's loading, part of step_s; done beside the step by a loader process
         self.load_s = self.cost.load_s * (self.train.batch_size // self.num_workers)
-        self.load_s = min(self.load_s, self.step_s * (1 - BACKWARD_FRACTION))
+        self.load_s = min(self.load_s, self.step_s - self.backward_s)
         self.loading: list[simpy.Process | None] = [None] * self.num_workers
         self.codec = config.compress.codec
         self.block_size = config.compress.block_size or 0
@@ -351,7 +352,7 @@ class SyncSim:
         """Wait for the worker's slice of the batch from its loader process, which then
         starts on the next one; the seconds of forward left to compute (loading is a part
         of forward's calibrated cost)."""
-        forward = self.step_s * (1 - BACKWARD_FRACTION)
+        forward = self.step_s - self.backward_s
         if self.loader_workers == 0 or self.load_s <= 0:
             return forward
         cores = self.cluster.machines[self.where[worker]].cores
@@ -365,7 +366,7 @@ class SyncSim:
         """Forward, then backward bucket by bucket (each ready when its share is done)."""
         forward = yield from self._next_slice(worker)
         yield from self._compute(worker, forward)
-        backward = self.step_s * BACKWARD_FRACTION
+        backward = self.backward_s
         for b, numel in enumerate(self.buckets):
             yield from self._compute(worker, backward * numel / self.numel)
             ready[b][worker].succeed()
@@ -373,7 +374,7 @@ class SyncSim:
     def _whole_step(self, worker: int) -> Process:
         """Forward and backward without buckets (mode "average")."""
         forward = yield from self._next_slice(worker)
-        yield from self._compute(worker, forward + self.step_s * BACKWARD_FRACTION)
+        yield from self._compute(worker, forward + self.backward_s)
 
     def _communicate(self, ready: list[list[simpy.Event]]) -> Process:
         for b, numel in enumerate(self.buckets):
