@@ -326,3 +326,40 @@ def test_a_calls_measurement_leaves_out_the_compute_before_each_call():
     cost = measure_call(lambda: None, idle=0.0, min_s=0.2, warmup=0, before=compute)
     assert cost.wall_s < 1e-3
     assert cost.caller_cpu_s < 1e-3  # a call's 2 ms of compute would show here
+
+
+def test_other_cores_compute_only_while_asked():
+    """`OtherCores(1)`: a process that keeps one core busy inside `computing()` and leaves
+    it idle outside; what the loaded shard-call measurement puts beside the pair."""
+    import time
+
+    from scaleout.sim.measure_calls import busy_cores_s
+    from scaleout.sim.measuring import OtherCores
+
+    def busy_cores(seconds: float) -> float:
+        before, started = busy_cores_s(), time.perf_counter()
+        time.sleep(seconds)
+        after = busy_cores_s()
+        if before is None or after is None:
+            pytest.skip("no /proc/stat here")
+        return (after - before) / (time.perf_counter() - started)
+
+    with OtherCores(1) as others:
+        quiet = busy_cores(0.5)
+        with others.computing():
+            loaded = busy_cores(0.5)
+    assert loaded - quiet > 0.7  # one more core at work (the box's own load aside)
+
+
+def test_a_calls_share_of_the_cores_beside_computing_processes():
+    """`shared_wall`: a call of 10 ms keeping 1.2 cores busy beside 1 computing process on
+    2 cores: demand 2.2, so 11 ms; beside none, or on cores enough, its own 10 ms."""
+    from scaleout.sim.measure_calls import CallCost
+    from scaleout.sim.measure_lockstep import shared_wall
+
+    call = CallCost(wall_s=0.010, cpu_s=0.012, caller_cpu_s=0.004)
+    assert shared_wall(call, 1, 2) == pytest.approx(0.011)
+    assert shared_wall(call, 0, 2) == pytest.approx(0.010)
+    assert shared_wall(call, 1, 8) == pytest.approx(0.010)
+    no_cpu = CallCost(wall_s=0.010, cpu_s=None, caller_cpu_s=0.0)  # one core: demand 2 on 2
+    assert shared_wall(no_cpu, 1, 2) == pytest.approx(0.010)

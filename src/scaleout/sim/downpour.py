@@ -215,14 +215,22 @@ class DownpourSim(ShardCalls, ReplicaThreads):
         """The first calls of a replica's compute thread after it computed: Ray's threads
         (in the replica, the raylet, the shards) wake up, their caches cold. Priced once
         per run of compute, on the replica's machine, as measured for a pull and a push
-        after that much compute (`Calibration.lockstep["shard_calls"]`)."""
+        after that much compute (`Calibration.lockstep["shard_calls"]`); and while other
+        processes compute on the machine's other cores, the wait of the calls' hops for a
+        core beyond their share of them (`loaded`, measured with every other core
+        computing), in proportion to how many of those cores compute now."""
         after = self.cal.lockstep.get("shard_calls")
         computed, replica.computed_s = replica.computed_s, 0.0
         if after is None or computed <= 0:
             return
         nbytes = max(self.pull_bytes)
+        machine = self.cluster.machines[replica.machine]
+        others = max(machine.cores.capacity - 1.0, 1.0)
+        computing = min(machine.cores.contended_demand() / others, 1.0)
         wall, cores = after.extra(computed, nbytes), after.extra_core(computed, nbytes)
-        yield from self.cluster.machines[replica.machine].call(wall, cores)
+        yield from machine.call(wall, cores)
+        if (waiting := computing * after.loaded(nbytes)) > 0:
+            yield self.env.timeout(waiting)
 
     def _look(self, replica: Replica) -> Process:
         """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a

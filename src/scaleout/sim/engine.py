@@ -89,6 +89,10 @@ class Shared:
         self._reshare()
         return done
 
+    def contended_demand(self) -> float:
+        """Units the contended jobs (a model's compute) running now ask for."""
+        return self._demand[1] if self._heaps[1] else 0.0
+
     def mark(self) -> None:
         """Measure `utilisation` from now on (the steady part of a run)."""
         self._advance()

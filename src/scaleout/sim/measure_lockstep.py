@@ -25,11 +25,21 @@ and over; per size and gap, the pair's mean wall seconds and all-process core-se
 compute's own CPU taken out) less the same pair back to back. Measured here at 0.4 MB:
 +1.2 to +1.9 ms and +1.4 to +2.3 core-ms a pair after 5-10 ms of compute (back to back
 4.1 ms and 5.6 core-ms); at 3.7 MB about +1.3 ms.
+
+While the machine's other cores compute (the other replicas of a run on one box), the pair
+takes longer still, and more than its share of the cores explains: its hops between
+processes (caller, raylet, shard) each wait for a core to be handed over. The same pair
+after `SHARD_CALL_LOADED_GAP_S` of compute, with a computing process on every other core
+(`OtherCores`), less what processor sharing gives it (`shared_wall`: its measured cores
+beside those processes, as `Machine.call` prices it) is `LockstepCost.loaded_s`. Measured
+here at 3.7 MB: 10 ms after 8 ms of compute, 13-16 ms with the other core computing,
+where sharing explains 11 ms.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -39,6 +49,7 @@ import torch
 
 from scaleout.sim.calibration import LockstepCost
 from scaleout.sim.measure_calls import (
+    CallCost,
     allreduce_call,
     exchange_call,
     gloo_pair,
@@ -47,12 +58,14 @@ from scaleout.sim.measure_calls import (
     on_two_ranks,
     shard_round_trip,
 )
+from scaleout.sim.measuring import OtherCores
 
 COLLECTIVES = {"allreduce": allreduce_call, "exchange": exchange_call}
 
 LOCKSTEP_SIZES = (1_000, 300_000)  # values all-reduced (4 KB, 1.2 MB)
 LOCKSTEP_GAPS_S = (1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3)
 SHARD_CALL_GAPS_S = (2e-3, 8e-3, 32e-3)  # a small model's step to a big one's window
+SHARD_CALL_LOADED_GAP_S = 8e-3  # the loaded pair's compute before it
 SHARD_CALL_SAMPLE_S = 1.0  # at least, per (size, gap): the CPU counters tick at 100 Hz
 SAMPLE_S = 1.0  # at least, per (size, gap), over all rounds: a mean holds rare long stalls
 ROUNDS = 4  # every point sampled in each round: the box drifts within seconds
@@ -159,19 +172,29 @@ def measure_lockstep(
     )
 
 
+def shared_wall(call: CallCost, computing: int, cores: int) -> float:
+    """`call`'s wall seconds beside `computing` one-thread processes on `cores` cores, as
+    processor sharing prices it (`Machine.call`): its measured cores and theirs share them."""
+    units = min((call.cpu_s or call.wall_s) / call.wall_s, cores)
+    return call.wall_s * max(1.0, (computing + units) / cores)
+
+
 def measure_shard_calls_after_compute(
     sizes: Sequence[int], gaps_s: Sequence[float] = SHARD_CALL_GAPS_S
 ) -> LockstepCost:
     """A replica's pull + push of `sizes` values (float32) through a real one-shard server
     after `gaps_s` of compute, beyond the same pair back to back: extra seconds and extra
-    core-seconds (see the module docstring). Needs Ray up (a session)."""
+    core-seconds; and the pair's extra seconds with every other core computing, beyond its
+    share of the cores (see the module docstring). Needs Ray up (a session)."""
     from scaleout.ps import ParameterServer
     from scaleout.train.config import TrainSection
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a replica of one thread
     filler = _Filler()
-    extra, extra_core = [], []
+    cores = os.cpu_count() or 1
+    extra, extra_core, loaded = [], [], []
+    others = OtherCores(cores - 1) if cores > 1 else None
     try:
         for size in sizes:
             server = ParameterServer.create(torch.zeros(size), 1, TrainSection(optimizer="sgd"))
@@ -187,14 +210,24 @@ def measure_shard_calls_after_compute(
                     measure_call(
                         pair, idle, SHARD_CALL_SAMPLE_S, 0, lambda gap=gap: filler.run(gap)
                     )
-                    for gap in gaps_s
+                    for gap in (*gaps_s, SHARD_CALL_LOADED_GAP_S)
                 ]
-                cores = alone.cpu_s or 0.0  # none without /proc: no extra core-seconds
-                extra.append([max(a.wall_s - alone.wall_s, 0.0) for a in after])
-                extra_core.append([max((a.cpu_s or 0.0) - cores, 0.0) for a in after])
+                cores_used = alone.cpu_s or 0.0  # none without /proc: no extra core-seconds
+                extra.append([max(a.wall_s - alone.wall_s, 0.0) for a in after[:-1]])
+                extra_core.append([max((a.cpu_s or 0.0) - cores_used, 0.0) for a in after[:-1]])
+                if others is not None:
+                    gap = SHARD_CALL_LOADED_GAP_S
+                    with others.computing():
+                        busy = measure_call(
+                            pair, idle, SHARD_CALL_SAMPLE_S, 0, lambda gap=gap: filler.run(gap)
+                        )
+                    shared = shared_wall(after[-1], cores - 1, cores)
+                    loaded.append(max(busy.wall_s - shared, 0.0))
             finally:
                 server.kill()
     finally:
+        if others is not None:
+            others.close()
         torch.set_num_threads(threads)
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     return LockstepCost(
@@ -202,4 +235,5 @@ def measure_shard_calls_after_compute(
         gaps_s=list(gaps_s),
         extra_s=[extra[i] for i in order],
         extra_core_s=[extra_core[i] for i in order],
+        loaded_s=[loaded[i] for i in order] if loaded else [],
     )

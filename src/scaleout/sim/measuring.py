@@ -6,9 +6,10 @@ The pieces every calibration step uses (`scaleout.sim.calibrate`,
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from queue import Empty
 from typing import Any
 
@@ -67,6 +68,66 @@ def in_processes(target: Callable[..., None], args: list[tuple], answers: int) -
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
+
+
+class OtherCores:
+    """`count` fresh processes that compute on one thread each (a matrix product and a pass
+    over 8 MB, as a network's layers mix them) while `computing()` is entered, and sleep
+    otherwise: the other replicas of a loaded machine. Started once (a spawn imports torch
+    for seconds), stopped on exit."""
+
+    def __init__(self, count: int) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._go, self._stop = ctx.Event(), ctx.Event()
+        ready = [ctx.Event() for _ in range(count)]
+        self._procs = [
+            ctx.Process(target=_compute_while, args=(self._go, self._stop, r), daemon=True)
+            for r in ready
+        ]
+        for proc in self._procs:
+            proc.start()
+        if not all(r.wait(START_AND_STEP_S) for r in ready):
+            self.close()
+            raise TimeoutError(f"computing processes did not start in {START_AND_STEP_S} s")
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        self._go.set()
+        time.sleep(0.2)  # each is computing before the block measures
+        try:
+            yield
+        finally:
+            self._go.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._go.set()
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+    def __enter__(self) -> OtherCores:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _compute_while(go: Any, stop: Any, ready: Any) -> None:  # noqa: ANN401 - mp Events
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    x = torch.randn(1_000_000)
+    y = torch.empty_like(x)
+    ready.set()
+    while not stop.is_set():
+        if go.wait(0.1) and not stop.is_set():
+            torch.mm(a, b)
+            torch.mul(x, 1.0001, out=y)
 
 
 def alone_and_together(
