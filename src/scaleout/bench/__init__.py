@@ -169,15 +169,24 @@ def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
     return document, json_path, png_path
 
 
+LABEL_WIDTH = 60  # characters of a row's name on one line of a figure
+
+
 def plot_rows(rows: list[Row], out: Path, title: str) -> None:
-    """Default figure: one horizontal bar per row, grouped by unit, paper values beside."""
+    """Default figure: one horizontal bar per row, grouped by unit, paper values beside.
+    Long row names wrap (a name wider than the figure would squeeze the bars to nothing)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     units = sorted({row.unit for row in rows})
-    fig, axes = plt.subplots(len(units), 1, figsize=(9, 1.2 + 0.5 * len(rows)), squeeze=False)
+    labels = {id(row): textwrap.fill(row.name, LABEL_WIDTH) for row in rows}
+    lines = sum(label.count("\n") + 1 for label in labels.values())
+    height = 1.2 + 0.3 * len(rows) + 0.2 * lines
+    fig, axes = plt.subplots(len(units), 1, figsize=(9, height), squeeze=False)
     for ax, unit in zip(axes[:, 0], units, strict=True):
         group = [row for row in rows if row.unit == unit]
         ys = range(len(group))
@@ -186,7 +195,7 @@ def plot_rows(rows: list[Row], out: Path, title: str) -> None:
         if papers:
             ax.barh([y + 0.4 for y, _ in papers], [p for _, p in papers], height=0.4, label="paper")
             ax.legend()
-        ax.set_yticks(list(ys), [row.name for row in group])
+        ax.set_yticks(list(ys), [labels[id(row)] for row in group], fontsize=8)
         ax.set_xlabel(unit)
     fig.suptitle(title)
     fig.tight_layout()
