@@ -10,7 +10,7 @@ to +0.5 ms after 1 ms of compute, +0.6 to +1.5 ms after 4 ms, +1.5 to +2.5 ms af
 the figures move with the box's load from one measurement to the next.
 
 `measure_lockstep` has two gloo ranks compute for a gap (matrix products and passes over
-memory on one thread, `_Filler`), then call the collective, over and over: gloo's
+memory on one thread, `Filler`), then call the collective, over and over: gloo's
 all-reduce (sync's), or the library's model-parallel exchange (`exchange_call`: cutting,
 the all-to-all, placing). Per gap and message size the extra is the mean seconds of the
 collective, over both ranks, less the mean of the same collective back to back. A step's
@@ -58,7 +58,7 @@ from scaleout.sim.measure_calls import (
     on_two_ranks,
     shard_round_trip,
 )
-from scaleout.sim.measuring import OtherCores
+from scaleout.sim.measuring import Filler, OtherCores
 
 COLLECTIVES = {"allreduce": allreduce_call, "exchange": exchange_call}
 
@@ -71,28 +71,6 @@ SAMPLE_S = 1.0  # at least, per (size, gap), over all rounds: a mean holds rare 
 ROUNDS = 4  # every point sampled in each round: the box drifts within seconds
 MIN_CALLS, BACK_TO_BACK_CALLS = 10, 75  # per round
 WARMUP = 3  # per round and point
-
-
-class _Filler:
-    """A worker's compute between collectives, in units of a matrix product (cache-bound)
-    and a pass over 8 MB (memory-bound), as a network's layers mix them."""
-
-    def __init__(self) -> None:
-        self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
-        self.x = torch.randn(1_000_000)
-        self.y = torch.empty_like(self.x)
-        began = time.perf_counter()
-        for _ in range(10):
-            self.unit()
-        self.unit_s = (time.perf_counter() - began) / 10
-
-    def unit(self) -> None:
-        torch.mm(self.a, self.b)
-        torch.mul(self.x, 1.0001, out=self.y)
-
-    def run(self, seconds: float) -> None:
-        for _ in range(max(1, round(seconds / self.unit_s))):
-            self.unit()
 
 
 def _calls(gap_s: float) -> int:
@@ -111,7 +89,7 @@ def _rank(
     gap its mean seconds after that much compute, and the compute's mean seconds; every
     point sampled in each of `ROUNDS` rounds."""
     with gloo_pair(rank, port):
-        filler = _Filler()
+        filler = Filler()
         collectives = [COLLECTIVES[kind](rank, size) for size in sizes]
         back_to_back: list[list[float]] = [[] for _ in sizes]
         waits = [[[] for _ in gaps_s] for _ in sizes]  # [size][gap] -> seconds
@@ -191,7 +169,7 @@ def measure_shard_calls_after_compute(
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a replica of one thread
-    filler = _Filler()
+    filler = Filler()
     cores = os.cpu_count() or 1
     extra, extra_core, loaded = [], [], []
     others = OtherCores(cores - 1) if cores > 1 else None
@@ -206,22 +184,22 @@ def measure_shard_calls_after_compute(
                     pair()
                 idle = measure_idle(1.0)
                 alone = measure_call(pair, idle, SHARD_CALL_SAMPLE_S, warmup=0)
-                after = [
-                    measure_call(
+                after = {
+                    gap: measure_call(
                         pair, idle, SHARD_CALL_SAMPLE_S, 0, lambda gap=gap: filler.run(gap)
                     )
-                    for gap in (*gaps_s, SHARD_CALL_LOADED_GAP_S)
-                ]
+                    for gap in (*gaps_s, SHARD_CALL_LOADED_GAP_S)  # the loaded gap once
+                }
                 cores_used = alone.cpu_s or 0.0  # none without /proc: no extra core-seconds
-                extra.append([max(a.wall_s - alone.wall_s, 0.0) for a in after[:-1]])
-                extra_core.append([max((a.cpu_s or 0.0) - cores_used, 0.0) for a in after[:-1]])
+                extra.append([max(after[g].wall_s - alone.wall_s, 0.0) for g in gaps_s])
+                extra_core.append([max((after[g].cpu_s or 0.0) - cores_used, 0.0) for g in gaps_s])
                 if others is not None:
                     gap = SHARD_CALL_LOADED_GAP_S
                     with others.computing():
                         busy = measure_call(
                             pair, idle, SHARD_CALL_SAMPLE_S, 0, lambda gap=gap: filler.run(gap)
                         )
-                    shared = shared_wall(after[-1], cores - 1, cores)
+                    shared = shared_wall(after[gap], cores - 1, cores)
                     loaded.append(max(busy.wall_s - shared, 0.0))
             finally:
                 server.kill()

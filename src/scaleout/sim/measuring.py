@@ -70,11 +70,36 @@ def in_processes(target: Callable[..., None], args: list[tuple], answers: int) -
                 proc.kill()
 
 
+class Filler:
+    """A worker's compute between calls or collectives, in units of a matrix product
+    (cache-bound) and a pass over 8 MB (memory-bound), as a network's layers mix them."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.a, self.b = torch.randn(256, 256), torch.randn(256, 256)
+        self.x = torch.randn(1_000_000)
+        self.y = torch.empty_like(self.x)
+        began = time.perf_counter()
+        for _ in range(10):
+            self.unit()
+        self.unit_s = (time.perf_counter() - began) / 10
+
+    def unit(self) -> None:
+        import torch
+
+        torch.mm(self.a, self.b)
+        torch.mul(self.x, 1.0001, out=self.y)
+
+    def run(self, seconds: float) -> None:
+        for _ in range(max(1, round(seconds / self.unit_s))):
+            self.unit()
+
+
 class OtherCores:
-    """`count` fresh processes that compute on one thread each (a matrix product and a pass
-    over 8 MB, as a network's layers mix them) while `computing()` is entered, and sleep
-    otherwise: the other replicas of a loaded machine. Started once (a spawn imports torch
-    for seconds), stopped on exit."""
+    """`count` fresh processes that compute on one thread each (`Filler`) while
+    `computing()` is entered, and sleep otherwise: the other replicas of a loaded machine.
+    Started once (a spawn imports torch for seconds), stopped on exit."""
 
     def __init__(self, count: int) -> None:
         import multiprocessing as mp
@@ -120,14 +145,11 @@ def _compute_while(go: Any, stop: Any, ready: Any) -> None:  # noqa: ANN401 - mp
     import torch
 
     torch.set_num_threads(1)
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    x = torch.randn(1_000_000)
-    y = torch.empty_like(x)
+    filler = Filler()
     ready.set()
     while not stop.is_set():
         if go.wait(0.1) and not stop.is_set():
-            torch.mm(a, b)
-            torch.mul(x, 1.0001, out=y)
+            filler.unit()
 
 
 def alone_and_together(
