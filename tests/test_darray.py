@@ -14,9 +14,16 @@ import torch.multiprocessing as mp
 
 from scaleout.comm import free_port
 from scaleout.comm.darray import DistributedArray, ExchangePlan, exchange
-from scaleout.comm.windows import Window, partition_local, partition_pixels, split_even
-from scaleout.compress import Codec, get
+from scaleout.comm.windows import (
+    Window,
+    intersections,
+    partition_local,
+    partition_pixels,
+    split_even,
+)
+from scaleout.compress import Codec, OnLink, get
 from scaleout.compress.payload import pack
+from scaleout.compress.transfer import CodecSpeed, LinkSpeed
 from scaleout.nn.local import LocalGeometry
 
 WORLD = 4
@@ -106,11 +113,14 @@ def compressed_reference(
     outputs: list[Window], inputs: list[Window], seed: int, codec: Codec, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Worker `rank`'s local array, loss weights, buffer and local gradient when every piece
-    that crosses to another worker is replaced by its codec round trip."""
+    that crosses to another worker is replaced by its codec round trip (where the codec
+    encodes a piece of its size: `Codec.encodes`)."""
     locals_, weights, _, _ = reference(outputs, inputs, seed)
 
     def sent(piece: torch.Tensor, remote: bool) -> torch.Tensor:
-        return codec.roundtrip(piece.reshape(-1)).view(piece.shape) if remote else piece
+        if not remote or not codec.encodes(piece.numel()):
+            return piece
+        return codec.roundtrip(piece.reshape(-1)).view(piece.shape)
 
     buffer = torch.zeros(BATCH, CHANNELS, *inputs[rank].shape)
     for j, out in enumerate(outputs):  # buffer_rank gets out_j ∩ in_rank from j
@@ -140,6 +150,26 @@ def check_compressed(name: str, outputs: list[Window], inputs: list[Window], cod
     expect(torch.equal(local.grad, expected_grad), f"{name} {codec.name}: gradient")
 
 
+def mixed() -> OnLink:
+    """dynamic8 on a link where the 2x2 grid's pieces of 24-108 values go raw (a call's
+    fixed cost outweighs the bytes saved) and those of 126-144 go 8-bit: one exchange
+    carries both, in one byte buffer, and the ends agree on which is which."""
+    return OnLink(get("dynamic8", block_size=64), LinkSpeed(1e6, 0.0), CodecSpeed(1e-4, 0, 1e-4, 0))
+
+
+def test_a_link_sends_small_pieces_raw_and_large_ones_8bit() -> None:
+    codec, (_, outputs, inputs) = mixed(), grid_cases()[2]
+    sizes = {BATCH * CHANNELS * p.num_pixels for p in intersections(outputs, inputs).values()}
+    assert {n for n in sizes if codec.encodes(n)} == {n for n in sizes if n >= 126}
+    assert min(sizes) < 126 < max(sizes)
+    array = DistributedArray(outputs, inputs, rank=0, codec=codec)
+    sent = array.bytes_sent(BATCH, CHANNELS)
+    pieces = [p for j, p in array.plan.sends if j != 0]
+    raw = [4 * BATCH * CHANNELS * p.num_pixels for p in pieces]
+    encoded = [pack(codec.encode(torch.zeros(n // 4))).numel() for n in raw]
+    assert sent == sum(e if codec.encodes(n // 4) else n for n, e in zip(raw, encoded, strict=True))
+
+
 def worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -155,7 +185,7 @@ def worker(rank: int, port: int) -> None:
             for seed in range(6):
                 check(f"random{seed}", *random_windows(WORLD, seed), None, transport)
         # 8-bit exchange: what crosses the wire is the codec's round trip, the rest exact
-        for codec in (get("dynamic8", block_size=64), get("linear8"), get("fp16")):
+        for codec in (get("dynamic8", block_size=64), get("linear8"), get("fp16"), mixed()):
             _, outputs, inputs = grid_cases()[2]  # 2 x 2
             check_compressed("grid 2x2", outputs, inputs, codec)
             check_compressed("random 0", *random_windows(WORLD, 0), codec)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from scaleout.api import build_job, load_config
+from scaleout.compress.transfer import CodecSpeed
 from scaleout.errors import ConfigError
 from scaleout.parallel import bytes_per_step, parallelize
 from scaleout.sim.calibration import Calibration, LockstepCost, MessageCost
@@ -199,6 +200,21 @@ def test_8bit_exchanges_move_about_a_quarter():
     for stack in range(raw.num_stacks):
         ratio = coded.bytes_per_step(stack) / raw.bytes_per_step(stack)
         assert 0.25 <= ratio < 0.3
+
+
+@pytest.mark.parametrize(
+    ("link", "call_s", "coded"), [("100mbit", 0.0, True), ("ib56", 1.0, False)]
+)
+def test_exchanges_on_a_link_move_what_the_library_sends(link, call_s, coded):
+    """With `compress.link` each piece is counted as the exchange sends it: packed codes
+    where the codec (its calibrated cost) makes that faster on the link, else raw."""
+    speed = CodecSpeed(call_s, 0.0, call_s, 0.0)
+    on_link = GreedySchedule(
+        config((1, 2), 'compress.codec="dynamic8"', f'compress.link="{link}"'), speed=speed
+    )
+    same = GreedySchedule(config((1, 2), *(['compress.codec="dynamic8"'] if coded else [])))
+    for stack in range(same.num_stacks):
+        assert on_link.bytes_per_step(stack) == same.bytes_per_step(stack)
 
 
 def test_more_machines_than_workers_is_refused():

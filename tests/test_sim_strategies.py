@@ -398,6 +398,22 @@ def test_sync_8bit_gathers_codes():
     assert result.wire_bytes == (n - 1) * n * packed
 
 
+@pytest.mark.parametrize(
+    ("link", "encode_ns", "coded"), [("100mbit", 2.0, True), ("10gbit", 2e3, False)]
+)
+def test_sync_on_a_link_takes_the_hooks_choice(link, encode_ns, coded):
+    """With `compress.link` a bucket is priced as the hook sends it: 8-bit where the
+    calibrated codec makes that faster on the link, else raw, as fp32 is."""
+    ns = {"dynamic8": CodecCost(sizes=[1000], encode_ns=[encode_ns], decode_ns=[3.0])}
+    overrides = ['compress.codec="dynamic8"', f'compress.link="{link}"']
+    config, setting = sync_setting(overrides, 2, 1, codecs=ns)
+    result = SyncSim(config, setting).run()
+    same = ['compress.codec="dynamic8"'] if coded else []
+    reference = SyncSim(*sync_setting(same, 2, 1, codecs=ns)).run()
+    assert result.step_s == pytest.approx(reference.step_s, rel=REL)
+    assert result.wire_bytes == reference.wire_bytes
+
+
 def test_sync_workers_on_one_machine_share_it():
     cost = MessageCost(fixed_s=5e-4, bytes_per_s=1e9)
     config, setting = sync_setting([], 1, 2, allreduce=cost)

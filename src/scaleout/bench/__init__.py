@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -167,6 +167,29 @@ def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
     json_path.write_text(json.dumps(document, indent=1) + "\n")
     (result.plot or (lambda path: plot_rows(result.rows, path, name)))(png_path)
     return document, json_path, png_path
+
+
+def one_axis(
+    plot: Callable[[Any, Any], None],
+    results: Any,
+    size: tuple[float, float] = (8, 5),  # noqa: ANN401
+) -> Callable[[Path], None]:
+    """A suite's figure of one axis: `plot(results, ax)`, saved where `SuiteResult.plot`
+    is asked to draw."""
+
+    def draw(path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=size)
+        plot(results, ax)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    return draw
 
 
 LABEL_WIDTH = 60  # characters of a row's name on one line of a figure

@@ -24,11 +24,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.bench import Row, SuiteResult, one_axis, register_suite
 from scaleout.compress import get, kernels, native
 
 SIZES = {"64k": 1 << 16, "256k": 1 << 18, "1M": 1 << 20, "4M": 1 << 22, "16M": 1 << 24}
@@ -213,16 +212,4 @@ def plot(rows: list[Row], ax) -> None:  # noqa: ANN001 - a matplotlib axis
 def run() -> SuiteResult:
     rows, notes = measure()
 
-    def draw(path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(9, 6))
-        plot(rows, ax)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-
-    return SuiteResult(rows, plot=draw, notes=notes)
+    return SuiteResult(rows, plot=one_axis(plot, rows, (9, 6)), notes=notes)

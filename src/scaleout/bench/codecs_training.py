@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from scaleout.api import fit
-from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.bench import Row, SuiteResult, one_axis, register_suite
 from scaleout.compress import compressed, get, kernels
 from scaleout.metrics import read_metrics
 from scaleout.nn import MLP
@@ -216,16 +216,4 @@ def measure() -> tuple[list[Row], list[str], dict]:
 def run() -> SuiteResult:
     rows, notes, results = measure()
 
-    def draw(path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5))
-        plot(results, ax)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-
-    return SuiteResult(rows, plot=draw, notes=notes)
+    return SuiteResult(rows, plot=one_axis(plot, results), notes=notes)

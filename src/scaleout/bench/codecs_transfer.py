@@ -39,13 +39,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from scaleout.bench import Row, SuiteResult, register_suite
+from scaleout.bench import Row, SuiteResult, one_axis, register_suite
 from scaleout.comm import destroy_distributed, join_group
 from scaleout.compress.transfer import CodecSpeed, LinkSpeed, Plan, plan
 
@@ -148,7 +149,7 @@ def _one(
     return time.perf_counter() - start
 
 
-def _measured_link(rank: int) -> tuple[LinkSpeed, list[float]]:
+def measured_link(rank: int) -> tuple[LinkSpeed, list[float]]:
     """The link as gloo messages cross it: a line through raw messages timed by size (host
     0's medians, handed to host 1), and those medians."""
     measured = []
@@ -213,7 +214,7 @@ def _exchange(
     join_group(rank, 2, master, port, backend="gloo")
     times: dict[str, dict[int, list[float]]] = {mode: {} for mode in MODES}
     try:
-        link, probes = _measured_link(rank)
+        link, probes = measured_link(rank)
         speed = _agreed_speed(rank, codec)
         plans = {}
         for n in sizes:
@@ -260,8 +261,9 @@ def _exchange(
 # --- the driver ---------------------------------------------------------------------------
 
 
-def run_pair(rate: str, sizes: list[int], reps: int) -> dict[str, Any]:
-    """Bring up two hosts at `rate`, run the pair, always take the network down."""
+def run_pair(rate: str, sizes: list[int], reps: int, module: str = __name__) -> dict[str, Any]:
+    """Bring up two hosts at `rate`, run the pair (`python -m module` on each, as this
+    module's command line takes its arguments), always take the network down."""
     testnet = str(testnet_path())
     prefix = f"cq{os.getpid() % 10000}"
     env = {**os.environ, "TESTNET_PREFIX": prefix, "GLOO_SOCKET_IFNAME": "eth0"}
@@ -274,7 +276,7 @@ def run_pair(rate: str, sizes: list[int], reps: int) -> dict[str, Any]:
             out = Path(tmp) / "times.json"
             args = ["--master", master, "--port", str(PORT), "--out", str(out), "--reps", str(reps)]
             args += ["--sizes", *map(str, sizes)]
-            command = [sys.executable, "-m", __name__, *args]
+            command = [sys.executable, "-m", module, *args]
             procs = [
                 subprocess.Popen(
                     [testnet, "exec", str(rank), *command, "--rank", str(rank)], env=env
@@ -381,23 +383,13 @@ def measure() -> tuple[list[Row], list[str], dict]:
 def run() -> SuiteResult:
     rows, notes, results = measure()
 
-    def draw(path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5))
-        plot(results, ax)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-
-    return SuiteResult(rows, plot=draw, notes=notes)
+    return SuiteResult(rows, plot=one_axis(plot, results), notes=notes)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="one side of the transfer benchmark")
+def main(worker: Callable[..., None], description: str) -> None:
+    """One host's side of a pair (`run_pair`'s command line): `worker(rank, master, port,
+    out, sizes, reps)`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--master", required=True)
     parser.add_argument("--port", type=int, required=True)
@@ -406,3 +398,7 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", type=int, nargs="+", required=True)
     a = parser.parse_args()
     worker(a.rank, a.master, a.port, a.out, a.sizes, a.reps)
+
+
+if __name__ == "__main__":
+    main(worker, "one side of the transfer benchmark")

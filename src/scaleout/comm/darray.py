@@ -31,6 +31,9 @@ order), so copying into them and reading them are contiguous.
 With a `codec` (`scaleout.compress`, e.g. dynamic8: the 8-bit paper's model-parallel use)
 each piece sent to another worker is encoded and packed into bytes before step 2 and decoded
 after it; the worker's own piece is never compressed. Gradients are compressed the same way.
+A piece the codec would rather send raw (`Codec.encodes`: an `OnLink` codec on a link where
+raw is faster for its size, the same choice on both ends) travels as its float bytes in the
+same byte buffer.
 
 Every worker of the group must take part in every exchange (it is a collective), and in the
 backward pass too: each worker's loss must depend on its buffer. Exchanges where no pair of
@@ -53,6 +56,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from scaleout.comm.windows import Window, intersections
 from scaleout.compress import Codec, Encoded
+from scaleout.compress.link import OnLink
 from scaleout.compress.payload import layout, pack, packed_size, unpack
 
 __all__ = ["DistributedArray", "ExchangePlan", "Transport", "exchange"]
@@ -152,7 +156,7 @@ def _empty_like(local: Tensor, shape: tuple[int, int]) -> Tensor:
 
 def _piece_bytes(codec: Codec | None, shape: tuple[int, ...], like: Tensor) -> int:
     """Bytes a piece of `shape` takes on the wire: raw, or packed codes and scales."""
-    if codec is None:
+    if codec is None or not codec.encodes(math.prod(shape)):
         return math.prod(shape) * like.element_size()
     return packed_size(_layout_like(codec, shape, like))
 
@@ -167,6 +171,24 @@ def _layout_like(codec: Codec, shape: tuple[int, ...], like: Tensor) -> Encoded:
     codes = torch.empty(num_codes, dtype=torch.uint8, device=like.device)
     scales = torch.empty(num_scales, dtype=torch.float32, device=like.device)
     return Encoded(codec.name, like.dtype, shape, codes, scales, block)
+
+
+def _send_piece(codec: Codec, piece: Tensor, key: tuple) -> Tensor:
+    """A piece as the bytes it travels as: packed codes and scales, or, where the codec
+    sends its size raw, its own values' bytes."""
+    if codec.encodes(piece.numel()):
+        return pack(codec.encode(piece, key))
+    if isinstance(codec, OnLink):
+        piece = codec.raw(piece, key)
+    return piece.contiguous().view(torch.uint8)
+
+
+def _as(received: Tensor, dtype: torch.dtype) -> Tensor:
+    """Raw bytes received as values of `dtype` (copied where they do not start on a value's
+    boundary: a view of one buffer after packed pieces of any length)."""
+    if received.storage_offset() % dtype.itemsize:
+        received = received.clone()
+    return received.view(dtype)
 
 
 def exchange(
@@ -186,16 +208,22 @@ def exchange(
     remote_sends = [(j, p) for j, p in plan.sends if j != plan.rank]
     remote_receives = [(j, p) for j, p in plan.receives if j != plan.rank]
     outgoing = [local[(..., *p.relative_to(plan.output))].reshape(-1) for _, p in remote_sends]
-    layouts: list[Encoded] = []
+    layouts: list[Encoded | None] = []  # per piece received: its layout, None when raw
     if codec is None:
         recv_sizes = [p.num_pixels * n * c for _, p in remote_receives]
         empty = local.new_empty(0)  # gives the transport's buffers their dtype and device
     else:
         # one key per piece, for codecs that keep scales per key (refresh_every > 1)
         keys = [(plan.output, plan.input, j) for j, _ in remote_sends]
-        outgoing = [pack(codec.encode(t, key)) for t, key in zip(outgoing, keys, strict=True)]
-        layouts = [_layout_like(codec, (n, c, *p.shape), local) for _, p in remote_receives]
-        recv_sizes = [packed_size(e) for e in layouts]
+        outgoing = [_send_piece(codec, t, key) for t, key in zip(outgoing, keys, strict=True)]
+        for _, p in remote_receives:
+            shape = (n, c, *p.shape)
+            encoded = codec.encodes(math.prod(shape))
+            layouts.append(_layout_like(codec, shape, local) if encoded else None)
+        recv_sizes = [
+            packed_size(e) if e is not None else p.num_pixels * n * c * local.element_size()
+            for e, (_, p) in zip(layouts, remote_receives, strict=True)
+        ]
         empty = local.new_empty(0, dtype=torch.uint8)  # packed codes and scales
     incoming: list[Tensor] = []
     if plan.collective:
@@ -209,7 +237,7 @@ def exchange(
         )
     if codec is not None:
         incoming = [
-            codec.decode(unpack(t, e)).to(local.dtype)
+            codec.decode(unpack(t, e)).to(local.dtype) if e is not None else _as(t, local.dtype)
             for t, e in zip(incoming, layouts, strict=True)
         ]
     if plan.is_identity:

@@ -60,6 +60,11 @@ class Codec(ABC):
     def forget(self, key: Hashable) -> None:  # noqa: B027 - stateless codecs keep nothing
         """Drop any state kept for `key` (cached scales, residuals)."""
 
+    def encodes(self, numel: int) -> bool:
+        """Whether a message of `numel` values travels encoded: always, but on a link where
+        raw can be faster (`scaleout.compress.link.OnLink`)."""
+        return True
+
     def roundtrip(self, x: torch.Tensor, key: Hashable | None = None) -> torch.Tensor:
         """decode(encode(x)): what a receiver of x gets."""
         return self.decode(self.encode(x, key))

@@ -8,8 +8,9 @@ from typing import Literal
 from pydantic import PositiveInt, model_validator
 
 from scaleout.compress.codecs import Codec
+from scaleout.compress.link import OnLink
 from scaleout.compress.registry import CODEC_NAMES, from_config
-from scaleout.compress.transfer import LinkSpeed
+from scaleout.compress.transfer import CodecSpeed, LinkSpeed
 from scaleout.config import Section
 
 CodecName = Literal[CODEC_NAMES]  # type: ignore[valid-type]
@@ -25,9 +26,9 @@ class CompressSection(Section):
     exponent_offset: int | None = None  # static8 / mantissa8; None: the codec's default
     error_feedback: bool = False  # keep the quantisation residual and add it to the next message
     # The link messages cross ("1gbit", "10gbit", a rate such as "250mbit"): set, each
-    # message travels encoded only where that is faster than raw on this link, priced with
-    # the codec's cost measured on this machine (`scaleout.compress.transfer`); None: always
-    # encoded.
+    # message (a push, a DDP bucket, an exchange's piece) travels encoded only where that is
+    # faster than raw on this link, priced with the codec's cost measured on this machine
+    # (`scaleout.compress.transfer`, `scaleout.compress.link`); None: always encoded.
     link: str | None = None
 
     @model_validator(mode="after")
@@ -47,3 +48,13 @@ class CompressSection(Section):
     def build(self) -> Codec:
         """The codec this section describes (with error feedback when asked for)."""
         return from_config(self)
+
+    def build_for_collectives(self, speed: CodecSpeed | None = None) -> Codec | None:
+        """The codec of DDP's buckets and the model-parallel exchanges: None for fp32; on a
+        `link`, an `OnLink` that sends raw what is faster raw there, priced with `speed`
+        (None: measured, then agreed by the ranks: `OnLink.agree`)."""
+        if self.codec == "fp32":
+            return None
+        if self.link is None:
+            return self.build()
+        return OnLink(self.build(), LinkSpeed.parse(self.link, "compress.link ="), speed)

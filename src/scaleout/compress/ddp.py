@@ -16,6 +16,11 @@ Schedule per gradient bucket (flat, N values) on each of W ranks:
    bitwise identical;
 5. (error feedback) keep `sent - decode(own payload)` as the residual.
 
+With an `OnLink` codec (`[compress] link`), a bucket goes 8-bit only where the encode, the
+gather and the decodes are priced faster than the float32 ring all-reduce on that link
+(`OnLink.encodes_allreduce`, the same choice on every rank); otherwise it is all-reduced
+raw, as with `fp32`, carrying the error-feedback residual in full.
+
 Traffic: each rank receives (W - 1) * (N + 4 * blocks) bytes, against about 8 N (W - 1) / W
 for a float32 ring all-reduce, so the gather wins for W < 8 (DeepSpeed's all-to-all +
 all-gather scheme would be needed beyond). The `fp32` codec uses a plain all-reduce.
@@ -34,6 +39,7 @@ import torch.distributed as dist
 
 from scaleout.compress.codecs import Codec
 from scaleout.compress.feedback import ErrorFeedback
+from scaleout.compress.link import OnLink
 from scaleout.compress.payload import pack, unpack
 from scaleout.compress.registry import get
 
@@ -49,10 +55,14 @@ def ddp_hook(
     """A hook for `DistributedDataParallel.register_comm_hook(None, hook)`.
 
     `codec`: a name (with `options` as for `get`) or a codec; an `ErrorFeedback` codec turns
-    error feedback on. `error_feedback` None means on for `onebit` only (it does not train
-    without it), off otherwise. The hook ignores DDP's `state` argument and communicates on
-    `process_group` (None: the default group).
+    error feedback on; an `OnLink` codec sends raw the buckets that are faster raw on its
+    link (agree its speed first: `OnLink.agree`). `error_feedback` None means on for
+    `onebit` only (it does not train without it), off otherwise. The hook ignores DDP's
+    `state` argument and communicates on `process_group` (None: the default group).
     """
+    link = codec if isinstance(codec, OnLink) else None
+    if link is not None:
+        codec = link.codec
     if isinstance(codec, ErrorFeedback):
         error_feedback = True if error_feedback is None else error_feedback
         codec = codec.codec
@@ -80,6 +90,11 @@ def ddp_hook(
         if signatures.get(index) != signature:  # new bucket or rebuilt buckets
             sender.forget(index)
             signatures[index] = signature
+        if link is not None and not link.encodes_allreduce(buffer.numel(), world):
+            if error_feedback:  # the residual travels in full, and is spent
+                buffer.copy_(sender.spend(buffer, index))  # type: ignore[union-attr]
+            work = dist.all_reduce(buffer.div_(world), group=process_group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
         sent = sender.compensate(buffer, index) if error_feedback else buffer
         encoded = base.encode(sent, key=index)
         payload = pack(encoded)  # (P,) uint8: codes, scales, flag

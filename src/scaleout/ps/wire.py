@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from scaleout.compress import CompressSection, Encoded, ErrorFeedback
+from scaleout.compress.link import measure_speed
 from scaleout.compress.payload import payload_size
 from scaleout.compress.transfer import CodecSpeed, LinkSpeed, plan
 
@@ -69,17 +70,9 @@ class Wire:
         return plan(numel, self._link, self._speed, size, pipeline=False).encoded
 
     def measure_speed(self) -> CodecSpeed:
-        """This codec's cost per message in this process: encode and serialise, then parse
-        and decode (a few milliseconds; no residual or absmax state is kept)."""
+        """This codec's cost per message in this process (`compress.link.measure_speed`)."""
         assert self._codec is not None
-        probe = ("wire.measure_speed",)
-        try:
-            return CodecSpeed.measure(
-                lambda x: self._codec.encode(x, probe).to_bytes(),
-                lambda data: self._codec.decode(Encoded.from_bytes(data)).float(),
-            )
-        finally:
-            self._codec.forget(probe)
+        return measure_speed(self._codec)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         """A float32 CPU tensor; read-only when it maps Ray's object store (copy to change)."""
@@ -87,8 +80,6 @@ class Wire:
             with warnings.catch_warnings():  # Ray hands out read-only views; we only read them
                 warnings.simplefilter("ignore", UserWarning)
                 return torch.from_numpy(payload)
-        from scaleout.compress import Encoded
-
         assert self._codec is not None, "a compressed payload reached an fp32 wire"
         return self._codec.decode(Encoded.from_bytes(payload)).float()
 

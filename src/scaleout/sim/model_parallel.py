@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from scaleout.comm.windows import Window, partition_local
+from scaleout.compress.transfer import CodecSpeed
 from scaleout.errors import ConfigError
 from scaleout.parallel import Exchange, greedy_exchanges, parallelize
 from scaleout.sim.engine import Process
@@ -65,6 +66,7 @@ from scaleout.sim.sync import (
     ring_allreduce,
     ring_send,
 )
+from scaleout.sim.wire import codec_speed
 from scaleout.strategies.model_parallel import ModelParallelSection
 
 SUM_VALUES = 4  # the objective's two sums, the example count and alpha's gradient
@@ -106,8 +108,15 @@ class GreedySchedule:
     """The greedy steps of a config's partitioned network, for every worker of its grid:
     built once on PyTorch's meta device (shapes only) as `parallelize` partitions it."""
 
-    def __init__(self, config: Any, grid: tuple[int, int] | None = None) -> None:  # noqa: ANN401
-        """`grid`: another grid than the config's (`model_parallel.grid`)."""
+    def __init__(
+        self,
+        config: Any,  # noqa: ANN401
+        grid: tuple[int, int] | None = None,
+        speed: CodecSpeed | None = None,
+    ) -> None:
+        """`grid`: another grid than the config's (`model_parallel.grid`); `speed`: the
+        codec's cost that decides, on a `compress.link`, which pieces go raw (None:
+        measured here)."""
         from scaleout.api import build_job
 
         job = build_job(config)
@@ -126,7 +135,7 @@ class GreedySchedule:
             )
         geometries = [stack.filter.geometry for stack in network.stacks]
         layer_flops = [stack.flops_per_example() for stack in network.stacks]
-        codec = None if config.compress.codec == "fp32" else job.compress.build()
+        codec = job.compress.build_for_collectives(speed)
         try:
             parallelize(network, list(self.grid), rank=0, codec=codec)
         except ValueError as err:
@@ -203,7 +212,11 @@ class ModelParallelSim:
         from scaleout.sim.measuring import model_key
 
         self.config, self.setting, self.train = config, setting, config.train
-        self.schedule = GreedySchedule(config)
+        compress = config.compress
+        speed = None
+        if compress.link is not None and compress.codec != "fp32":  # the library's choice
+            speed = codec_speed(setting.calibration, compress.codec)
+        self.schedule = GreedySchedule(config, speed=speed)
         self.workers = self.schedule.workers
         if setting.machines > self.workers:
             raise ConfigError(

@@ -20,8 +20,11 @@ What runs, as the library runs it (`Lockstep` driver, `Worker.train_chunk`):
   scaled and copied back (DDP's local work: `ModelCost.ddp_s`, measured, shared by size): a
   ring (`ring_allreduce`) for fp32; with `[compress] codec` other than fp32 the library's
   DDP hook instead encodes the bucket, all-gathers the packed codes (`ring_allgather`, bytes
-  from `scaleout.compress.payload.layout`) and decodes every worker's payload. The optimizer
-  step (`ModelCost.optimizer_s`) follows the last bucket;
+  from `scaleout.compress.payload.layout`) and decodes every worker's payload; with
+  `[compress] link` only where that is faster than the ring on the link, priced with the
+  calibrated codec cost (`OnLink.encodes_allreduce`; a run decides by timing both between
+  its workers instead). The optimizer step (`ModelCost.optimizer_s`) follows the last
+  bucket;
 - mode "average": every worker steps with its own optimizer; every `average_every` steps one
   fp32 ring all-reduce averages parameters and optimizer state (`4 * params * (1 + state
   floats per parameter)` bytes: sgd 0, momentum, adagrad and rmsprop 1, adam 2; floating
@@ -57,6 +60,7 @@ from typing import Any
 
 import simpy
 
+from scaleout.compress.link import OnLink
 from scaleout.compress.payload import layout
 from scaleout.errors import ConfigError
 from scaleout.nn.optim import STATE_BUFFERS
@@ -64,6 +68,7 @@ from scaleout.sim.calibration import Calibration, MessageCost
 from scaleout.sim.engine import Cluster, Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
+from scaleout.sim.wire import codec_speed
 
 BACKWARD_FRACTION = 2 / 3  # of a training step unless measured; forward (and loading) the rest
 BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb (MiB)
@@ -281,8 +286,13 @@ class SyncSim:
         self.load_s = self.cost.load_s * (self.train.batch_size // self.num_workers)
         self.load_s = min(self.load_s, self.step_s - self.backward_s)
         self.loading: list[simpy.Process | None] = [None] * self.num_workers
-        self.codec = config.compress.codec
-        self.block_size = config.compress.block_size or 0
+        compress = config.compress
+        self.codec = compress.codec
+        self.block_size = compress.block_size or 0
+        self.on_link: OnLink | None = None  # on a `compress.link`: the hook's choice
+        if compress.link is not None and compress.codec != "fp32":
+            codec = compress.build_for_collectives(codec_speed(self.cal, compress.codec))
+            self.on_link = codec if isinstance(codec, OnLink) else None
         cap = int(bucket_cap_mb * 1024 * 1024)
         if self.cost.parameter_numels:
             self.buckets = ddp_buckets(self.cost.parameter_numels, cap)
@@ -328,8 +338,16 @@ class SyncSim:
         yield from self._reduce_codes(numel)
         yield from self._bucket_copies(numel)
 
-    def _reduce_codes(self, numel: int) -> Process:
+    def _encodes(self, numel: int) -> bool:
+        """Whether the hook sends a bucket of `numel` values 8-bit (`ddp_hook`'s choice)."""
         if self.codec == "fp32":
+            return False
+        if self.on_link is not None:
+            return self.on_link.encodes_allreduce(numel, self.num_workers)
+        return True
+
+    def _reduce_codes(self, numel: int) -> Process:
+        if not self._encodes(numel):
             yield from self._allreduce(4 * numel)
             return
         yield from self._on_every_worker(self.cal.codec_s(self.codec, numel, "encode"))

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from scaleout.compress.link import OnLink
 from scaleout.data import derive_seed, make_loader, num_batches
 from scaleout.data.parts import data_part
 from scaleout.data.prefetch import DevicePrefetcher
@@ -102,9 +103,11 @@ class Worker(WorkerState, OnShards):
             self.train_set = data_part(shipped, role.replica, role.num_replicas)
         self.objective = objective_for(model, job.loss_fn(), self.test_set)
         self.layerwise = isinstance(self.objective, Layerwise)
+        # the codec of the exchanges and of DDP's buckets; on a `compress.link`, one that
+        # sends raw what is faster raw, once the ranks agreed on its cost (`start`)
+        self.codec = job.compress.build_for_collectives()
         if role.grid is not None:
-            codec = None if job.compress.codec == "fp32" else job.compress.build()
-            model = parallelize(model, role.grid, role.rank, None, role.transport, codec)  # type: ignore[arg-type]
+            model = parallelize(model, role.grid, role.rank, None, role.transport, self.codec)  # type: ignore[arg-type]
         self.model: nn.Module = model
         self.network: nn.Module = model  # what the forward pass runs: DDP wraps it (`start`)
         self.partitioned = role.grid is not None
@@ -129,14 +132,17 @@ class Worker(WorkerState, OnShards):
         self._push_window = [0.0, 0, 0.0]  # loss sum, steps, compute seconds since a push
 
     def start(self) -> None:
-        """After the process group is formed: wrap the model in DDP (`role.ddp`)."""
+        """After the process group is formed: the ranks agree on the codec's cost on the
+        link (`OnLink.agree`, a collective); wrap the model in DDP (`role.ddp`)."""
+        if isinstance(self.codec, OnLink) and self.role.world > 1:
+            self.codec.agree(buckets=self.role.ddp)
         if self.role.ddp and self.role.world > 1:
             ids = [self.device.index or 0] if self.device.type == "cuda" else None
             self.network = DistributedDataParallel(self.model, device_ids=ids)
-            if self.job.compress.codec != "fp32":
+            if self.codec is not None:
                 from scaleout.compress import ddp_hook
 
-                self.network.register_comm_hook(None, ddp_hook(self.job.compress.build()))
+                self.network.register_comm_hook(None, ddp_hook(self.codec))
 
     # --- phases, optimizer, data ---------------------------------------------------------
 
