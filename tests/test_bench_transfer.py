@@ -68,3 +68,18 @@ def test_allreduce_rows_judge_auto_where_it_encoded_and_the_choice_where_it_did_
     for name, meets in judged.items():
         # chose 8-bit and won: met; chose raw where 8-bit was 2x faster: a wrong choice
         assert meets == ("chose 8-bit" in name), name
+
+
+def test_transfer_rows_judge_the_choice_where_auto_sent_raw():
+    times: dict = {mode: {} for mode in codecs_transfer.MODES}
+    plans = {}
+    for n in codecs_transfer.SIZES:
+        for mode in codecs_transfer.MODES:
+            times[mode][str(n)] = [2.0, 2.0, 2.0] if mode in ("raw", "auto") else [1.0] * 3
+        plans[str(n)] = {"encoded": False, "chunk": n, "predicted_s": 1e-3}
+    rows = codecs_transfer.rows_for("10gbit", {"times": times, "plans": plans})
+    auto = [r for r in rows if " speed-up auto " in r.name]
+    assert auto and all(r.target is None for r in auto)  # raw's own message: not judged
+    choice = [r for r in rows if "where auto chose raw" in r.name]
+    assert len(choice) == 2 * len(codecs_transfer.SIZES)  # both 8-bit modes, every size
+    assert not any(r.meets for r in choice)  # 8 bits were 2x faster: raw was the wrong call

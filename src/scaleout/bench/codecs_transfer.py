@@ -25,7 +25,9 @@ between repetitions does not move it (where auto chose raw, the two send the sam
 
 Targets (for auto, the mode a user gets): >= 3.5x faster than raw from 1M values at 1
 Gbit/s (the paper: about 2x), and never slower than raw: >= 1.0x at 10k values and at 10
-Gbit/s.
+Gbit/s. Where auto chose raw it sent raw's very message (their ratio is the noise of two
+runs of one thing), so the choice is judged instead: each 8-bit mode's speed-up there is
+<= 1.0x (as in `codecs_allreduce`).
 """
 
 from __future__ import annotations
@@ -317,20 +319,22 @@ def rows_for(rate: str, result: dict[str, Any]) -> list[Row]:
         rows.append(
             Row(f"transfer {rate} {label(n)} auto as the plan priced it", predicted, "ms", "lower")
         )
+        judged = n == SIZES[0] or rate == "10gbit" or (n >= 1_000_000 and rate == "1gbit")
         for mode in MODES[1:]:
-            target = None
-            if mode == "auto":
-                target = 3.5 if (n >= 1_000_000 and rate == "1gbit") else None
-                if n == SIZES[0] or rate == "10gbit":
-                    target = target or 1.0
             # per repetition, raw and this mode ran back to back: the median of their ratios
             pairs = zip(times["raw"][str(n)], times[mode][str(n)], strict=True)
             speedup = statistics.median(raw / ours for raw, ours in pairs)
             paper = 2.0 if n >= 250_000 else None
             name = f"transfer {rate} {label(n)} speed-up {mode} vs raw"
+            better, target = "higher", None
             if mode == "auto":
                 name += f" (chose {way})"
-            rows.append(Row(name, speedup, "x", "higher", paper, target))
+                if judged and chosen["encoded"]:
+                    target = 3.5 if (n >= 1_000_000 and rate == "1gbit") else 1.0
+            elif judged and not chosen["encoded"]:  # auto sent raw: was raw the faster?
+                name += ", where auto chose raw"
+                better, target = "lower", 1.0
+            rows.append(Row(name, speedup, "x", better, paper, target))
     return rows
 
 
