@@ -17,9 +17,10 @@ Schedule per gradient bucket (flat, N values) on each of W ranks:
 5. (error feedback) keep `sent - decode(own payload)` as the residual.
 
 With an `OnLink` codec (`[compress] link`), a bucket goes 8-bit only where the encode, the
-gather and the decodes are priced faster than the float32 ring all-reduce on that link
-(`OnLink.encodes_allreduce`, the same choice on every rank); otherwise it is all-reduced
-raw, as with `fp32`, carrying the error-feedback residual in full.
+gather and the decodes are faster than the float32 all-reduce (`OnLink.encodes_allreduce`:
+both as the ranks timed them in `OnLink.agree`, else priced as rings on the link; the same
+choice on every rank); otherwise it is all-reduced raw, as with `fp32`, carrying the
+error-feedback residual in full.
 
 Traffic: each rank receives (W - 1) * (N + 4 * blocks) bytes, against about 8 N (W - 1) / W
 for a float32 ring all-reduce, so the gather wins for W < 8 (DeepSpeed's all-to-all +
