@@ -11,7 +11,7 @@ Runs the five parts, each also a suite of its own (`scaleout bench codecs_errors
 - `codecs_training`: Figures 3 and 4, MNIST test error with every codec, data and model
                      parallel.
 
-About 20 minutes on a 2-core machine; the environment variables
+About 25 minutes on a 2-core machine; the environment variables
 `SCALEOUT_BENCH_CODECS_SAMPLES`, `_REPS`, `_EPOCHS` and `_SEEDS` shorten the parts.
 """
 
