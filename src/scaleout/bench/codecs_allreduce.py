@@ -25,7 +25,6 @@ there is <= 1.0x.
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import time
@@ -44,8 +43,8 @@ from scaleout.bench.codecs_transfer import (
     label,
     main,
     measured_link,
+    missing,
     run_pair,
-    testnet_path,
 )
 from scaleout.comm import destroy_distributed, join_group
 from scaleout.compress.link import TIMED_SIZES, average_8bit
@@ -159,9 +158,8 @@ def plot(results: dict[str, dict], ax: Any) -> None:  # noqa: ANN401 - a matplot
 
 
 def measure() -> tuple[list[Row], list[str], dict]:
-    if not testnet_path().exists() or os.geteuid() != 0:
-        note = f"all-reduce skipped: needs root and {testnet_path()} (set SCALEOUT_TESTNET)"
-        return [], [note], {}
+    if (lacking := missing()) is not None:
+        return [], [f"all-reduce skipped: {lacking}"], {}
     results = {rate: run_pair(rate, SIZES, REPS, __name__) for rate in RATES}
     rows = [row for rate in RATES for row in rows_for(rate, results[rate])]
     speed = results[RATES[0]]["speed"]

@@ -351,10 +351,16 @@ def plot(results: dict[str, dict], ax) -> None:  # noqa: ANN001 - a matplotlib a
     ax.legend(fontsize=6)
 
 
-def measure() -> tuple[list[Row], list[str], dict]:
+def missing() -> str | None:
+    """What the pair of testnet hosts needs and this machine lacks, or None."""
     if not testnet_path().exists() or os.geteuid() != 0:
-        note = f"transfer skipped: needs root and {testnet_path()} (set SCALEOUT_TESTNET)"
-        return [], [note], {}
+        return f"needs root and {testnet_path()} (set SCALEOUT_TESTNET)"
+    return None
+
+
+def measure() -> tuple[list[Row], list[str], dict]:
+    if (lacking := missing()) is not None:
+        return [], [f"transfer skipped: {lacking}"], {}
     results = {rate: run_pair(rate, SIZES, REPS) for rate in RATES}
     rows = [row for rate in RATES for row in rows_for(rate, results[rate])]
     measured = "; ".join(

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from scaleout.compress.codecs import Codec
 from scaleout.compress.feedback import ErrorFeedback
-from scaleout.compress.link import OnLink
-from scaleout.compress.payload import pack, unpack
+from scaleout.compress.link import OnLink, mean_of_payloads
+from scaleout.compress.payload import pack
 from scaleout.compress.registry import get
 
 Hook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -83,9 +83,13 @@ def ddp_hook(
     ) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()  # (N,) flat gradients, not yet averaged
         world = dist.get_world_size(process_group)
-        if base.name == "fp32":
+
+        def raw() -> torch.futures.Future[torch.Tensor]:  # DDP's own float32 average
             work = dist.all_reduce(buffer.div_(world), group=process_group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
+
+        if base.name == "fp32":
+            return raw()
         index = bucket.index()
         signature = tuple((id(p), p.numel()) for p in bucket.parameters())
         if signatures.get(index) != signature:  # new bucket or rebuilt buckets
@@ -94,8 +98,7 @@ def ddp_hook(
         if link is not None and not link.encodes_allreduce(buffer.numel(), world):
             if error_feedback:  # the residual travels in full, and is spent
                 buffer.copy_(sender.spend(buffer, index))  # type: ignore[union-attr]
-            work = dist.all_reduce(buffer.div_(world), group=process_group, async_op=True)
-            return work.get_future().then(lambda fut: fut.value()[0])
+            return raw()
         sent = sender.compensate(buffer, index) if error_feedback else buffer
         encoded = base.encode(sent, key=index)
         payload = pack(encoded)  # (P,) uint8: codes, scales, flag
@@ -106,13 +109,11 @@ def ddp_hook(
 
         def average(fut: torch.futures.Future) -> torch.Tensor:
             fut.wait()
-            total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
-            for source, chunk in enumerate(gathered.view(world, -1)):  # rank order
-                decoded = base.decode(unpack(chunk, encoded)).view(-1)
-                total += decoded.float()
-                if source == rank and error_feedback:
-                    sender.remember(index, sent, decoded)  # type: ignore[union-attr]
-            buffer.copy_(total.div_(world))
+            keep = rank if error_feedback else None
+            mean, own = mean_of_payloads(gathered, encoded, base, world, keep)
+            if own is not None:
+                sender.remember(index, sent, own)  # type: ignore[union-attr]
+            buffer.copy_(mean)
             return buffer
 
         return work.get_future().then(average)

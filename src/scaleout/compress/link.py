@@ -29,8 +29,6 @@ Without `agree` (one process, a simulation) the speed given, or measured here, d
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Hashable
 
 import torch
@@ -39,7 +37,7 @@ import torch.distributed as dist
 from scaleout.compress.codecs import Codec
 from scaleout.compress.feedback import ErrorFeedback
 from scaleout.compress.payload import Encoded, pack, payload_size, unpack
-from scaleout.compress.transfer import ENCODE_MARGIN, CodecSpeed, LinkSpeed, plan
+from scaleout.compress.transfer import ENCODE_MARGIN, CodecSpeed, LinkSpeed, median_s, plan
 
 
 def measure_speed(codec: Codec) -> CodecSpeed:
@@ -168,10 +166,24 @@ def average_8bit(
     payload = pack(encoded)
     gathered = torch.empty(world * payload.numel(), dtype=torch.uint8)
     dist.all_gather_into_tensor(gathered, payload, group=group)
-    total = torch.zeros(x.numel(), dtype=torch.float32)
-    for chunk in gathered.view(world, -1):
-        total += codec.decode(unpack(chunk, encoded)).view(-1).float()
-    return total.div_(world).view(x.shape)
+    mean, _ = mean_of_payloads(gathered, encoded, codec, world)
+    return mean.view(x.shape)
+
+
+def mean_of_payloads(
+    gathered: torch.Tensor, like: Encoded, codec: Codec, world: int, keep: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The mean (float32, flat) of the `world` packed payloads laid out like `like` in
+    `gathered`, decoded and summed in rank order (so every rank gets the same bits); and
+    rank `keep`'s decoded values (for error feedback), or None."""
+    total = torch.zeros(like.numel, dtype=torch.float32, device=gathered.device)
+    kept = None
+    for source, chunk in enumerate(gathered.view(world, -1)):  # rank order
+        decoded = codec.decode(unpack(chunk, like)).view(-1)
+        total += decoded.float()
+        if source == keep:
+            kept = decoded
+    return total.div_(world), kept
 
 
 TIMED_SIZES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)  # values
@@ -189,13 +201,7 @@ def _time_average(coded: bool, codec: Codec, group: dist.ProcessGroup | None) ->
             call = lambda x=x: average_8bit(x, codec, group)  # noqa: E731
         else:
             call = lambda x=x: dist.all_reduce(x.clone(), group=group)  # noqa: E731
-        call()
-        times = []
-        for _ in range(TIMED_REPEATS):
-            began = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - began)
-        seconds[numel] = statistics.median(times)
+        seconds[numel] = median_s(call, TIMED_REPEATS)
     return [seconds[numel] for numel in TIMED_SIZES]
 
 

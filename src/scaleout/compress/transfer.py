@@ -101,6 +101,17 @@ class LinkSpeed:
         return self.latency_s + nbytes / self.bytes_per_s
 
 
+def median_s(call: Callable[[], Any], repeats: int) -> float:
+    """The median seconds of `repeats` timed calls of `call()`, after one warm-up call."""
+    call()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 @dataclass(frozen=True)
 class CodecSpeed:
     """A codec's cost on this machine: seconds per call plus seconds per value, on the
@@ -138,13 +149,7 @@ class CodecSpeed:
                 x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
                 message = send(x)
                 call = (lambda x=x: send(x)) if side == "send" else (lambda m=message: receive(m))
-                call()
-                samples = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    call()
-                    samples.append(time.perf_counter() - start)
-                seconds.append(statistics.median(samples))
+                seconds.append(median_s(call, repeats))
             per_value = max(0.0, (seconds[1] - seconds[0]) / (sizes[1] - sizes[0]))
             fits.append((max(0.0, seconds[0] - per_value * sizes[0]), per_value))
         (send_call, send_value), (receive_call, receive_value) = fits

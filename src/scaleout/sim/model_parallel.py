@@ -66,7 +66,7 @@ from scaleout.sim.sync import (
     ring_allreduce,
     ring_send,
 )
-from scaleout.sim.wire import codec_speed
+from scaleout.sim.wire import link_codec_speed
 from scaleout.strategies.model_parallel import ModelParallelSection
 
 SUM_VALUES = 4  # the objective's two sums, the example count and alpha's gradient
@@ -212,10 +212,7 @@ class ModelParallelSim:
         from scaleout.sim.measuring import model_key
 
         self.config, self.setting, self.train = config, setting, config.train
-        compress = config.compress
-        speed = None
-        if compress.link is not None and compress.codec != "fp32":  # the library's choice
-            speed = codec_speed(setting.calibration, compress.codec)
+        speed = link_codec_speed(setting.calibration, config.compress)  # the library's choice
         self.schedule = GreedySchedule(config, speed=speed)
         self.workers = self.schedule.workers
         if setting.machines > self.workers:

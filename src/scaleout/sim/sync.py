@@ -68,7 +68,7 @@ from scaleout.sim.calibration import Calibration, MessageCost
 from scaleout.sim.engine import Cluster, Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
-from scaleout.sim.wire import codec_speed
+from scaleout.sim.wire import link_codec_speed
 
 BACKWARD_FRACTION = 2 / 3  # of a training step unless measured; forward (and loading) the rest
 BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb (MiB)
@@ -289,10 +289,9 @@ class SyncSim:
         compress = config.compress
         self.codec = compress.codec
         self.block_size = compress.block_size or 0
-        self.on_link: OnLink | None = None  # on a `compress.link`: the hook's choice
-        if compress.link is not None and compress.codec != "fp32":
-            codec = compress.build_for_collectives(codec_speed(self.cal, compress.codec))
-            self.on_link = codec if isinstance(codec, OnLink) else None
+        # on a `compress.link`: the hook's choice of raw or 8-bit
+        codec = compress.build_for_collectives(link_codec_speed(self.cal, compress))
+        self.on_link = codec if isinstance(codec, OnLink) else None
         cap = int(bucket_cap_mb * 1024 * 1024)
         if self.cost.parameter_numels:
             self.buckets = ddp_buckets(self.cost.parameter_numels, cap)

@@ -58,3 +58,11 @@ def wire_codec(calibration: Calibration, compress: CompressSection, numel: int) 
         return compress.codec
     wire = Wire(compress, speed=codec_speed(calibration, compress.codec))
     return compress.codec if wire.encodes(numel) else "fp32"
+
+
+def link_codec_speed(calibration: Calibration, compress: CompressSection) -> CodecSpeed | None:
+    """The calibrated codec cost that a collective's codec on `compress.link` chooses raw or
+    8-bit with (`CompressSection.build_for_collectives`); None without a link or a codec."""
+    if compress.link is None or compress.codec == "fp32":
+        return None
+    return codec_speed(calibration, compress.codec)
