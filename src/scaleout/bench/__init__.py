@@ -171,8 +171,8 @@ def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
 
 def one_axis(
     plot: Callable[[Any, Any], None],
-    results: Any,
-    size: tuple[float, float] = (8, 5),  # noqa: ANN401
+    results: Any,  # noqa: ANN401 - each suite's own results
+    size: tuple[float, float] = (8, 5),
 ) -> Callable[[Path], None]:
     """A suite's figure of one axis: `plot(results, ax)`, saved where `SuiteResult.plot`
     is asked to draw."""
