@@ -87,6 +87,7 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     import scaleout.runtime
     from scaleout.sim import calibrate as cal_module
     from scaleout.sim.calibration import Calibration, CodecCost, LockstepCost, MessageCost
+    from scaleout.sim.measure_beside import BesideCalls
     from scaleout.sim.measuring import model_key
 
     start = Calibration.load(Path(__file__).resolve().parents[1] / "results" / "calibration.json")
@@ -111,14 +112,14 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     fakes = {
         "measure_model": model,
         "measure_codecs": lambda names: {name: codec for name in names},
-        "measure_apply": lambda: {"sgd": 9.0},
+        "measure_apply": lambda: {"sgd": 9.0, "adagrad": 12.0},
         "measure_allreduce": lambda sizes: fresh["a"],
         "measure_average": lambda sizes: fresh["b"],
         "measure_exchange": lambda: fresh["c"],
         "measure_shard_messages": lambda apply_ns, sizes: (fresh["d"], fresh["e"], 0.5),
         "measure_collect": lambda: (2e-4, 5e-5),
         "measure_zero": lambda: 3e10,
-        "measure_beside_calls": lambda config, numel: 1.0 + numel * 1e-8,
+        "measure_beside_calls": lambda config, numel: BesideCalls(1.0 + numel * 1e-8, 2.5, 1.0),
         "measure_shard_calls_after_compute": lambda sizes: fresh["f"],
     }
     threads_seen = {}
@@ -158,13 +159,16 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     assert threads_seen == {"measure_shard_messages": 1, "measure_collect": 1}
     assert (downpour.collect_s, downpour.collect_shard_s) == (2e-4, 5e-5)
     assert downpour.zero_bytes_per_s == 3e10
-    assert downpour.apply_ns == {"sgd": 9.0} and downpour.idle_cores == 0.5
+    assert downpour.apply_ns == {"sgd": 9.0, "adagrad": 12.0} and downpour.idle_cores == 0.5
     assert downpour.codecs["dynamic8"] == codec
     assert downpour.allreduce == start.allreduce and downpour.exchange == start.exchange
     assert all(m.eval_s == 1.0 for k, m in downpour.models.items() if k.startswith("mnist"))
     # a replica's step beside calls of the config's largest shard slice (2 of 1,863,690)
     (beside,) = {m.beside_calls for k, m in downpour.models.items() if k.startswith("mnist")}
     assert beside == pytest.approx(1.0 + 931_845e-8)
+    # a step 2.5x as long beside the calls as alone needs a wait per call beyond sharing
+    (wait,) = {m.call_wait_s for k, m in downpour.models.items() if k.startswith("mnist")}
+    assert wait > 0
     assert downpour.lockstep["shard_calls"] == fresh["f"]
     assert downpour.lockstep["allreduce"] == start.lockstep["allreduce"]  # kept
 
@@ -236,7 +240,7 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     woken = cal.model_copy(update={"lockstep": {**cal.lockstep, "shard_calls": shard_calls}})
     config = load_config(_configs_dir() / case.config, _overrides(case, tmp_path))
     note = _costs(woken.save(tmp_path / "woken.json"), config)
-    assert "beside calls 1.000x" in note
+    assert "beside calls 1.000x and 0.00 ms a call" in note
     assert note.endswith(", +1.00 ms / 2.00 core-ms a pair after 5 ms of compute")
     case = by_name["sync 2 workers"]
     note = _costs(path, load_config(_configs_dir() / case.config, _overrides(case, tmp_path)))
@@ -307,8 +311,9 @@ def test_a_step_beside_a_shards_calls_is_measured_against_the_step_alone(ray_ses
         _configs_dir() / "mnist_downpour.toml",
         ["model.sizes=[784,64,10]", "model.dropout=[0.0,0.0]", "data.num_train=512"],
     )
-    factor = measure_beside_calls(config, 25_000)
-    assert 1.0 <= factor < 1.5
+    beside = measure_beside_calls(config, 25_000)
+    assert 1.0 <= beside.cpu_ratio < 1.5
+    assert 0.8 < beside.wall_ratio < 3.0 and beside.pairs_per_step > 0
 
 
 def test_a_calls_measurement_leaves_out_the_compute_before_each_call():

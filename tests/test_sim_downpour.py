@@ -67,6 +67,68 @@ def test_compute_beside_plain_work_is_slowed_by_the_calibrated_factor():
     assert env.now == pytest.approx(0.5 + 2 / 3)
 
 
+def test_a_call_preempts_the_computing_jobs_by_the_calibrated_wait():
+    """`call_wait` 0.3 s: a call starting at 1 s delays one compute job of 2 s on two cores
+    to 2.3 s; two compute jobs share the wait (each ends 0.15 s later); a call with no
+    compute running takes its own time only."""
+    for computing, expected in ((1, 2.3), (2, 2.15)):
+        cluster = Cluster(1, cores=2, link=Link(1e9))
+        env, machine = cluster.env, cluster.machines[0]
+        machine.cores.call_wait = 0.3
+        ends = []
+
+        def compute(machine=machine, env=env, ends=ends):
+            yield from machine.compute(2.0)
+            ends.append(env.now)
+
+        def later_call(machine=machine, env=env):
+            yield env.timeout(1.0)
+            yield from machine.call(0.0, 0.0)
+
+        for _ in range(computing):
+            env.process(compute())
+        env.process(later_call())
+        env.run()
+        assert ends == pytest.approx([expected] * computing)
+
+    cluster = Cluster(1, cores=2, link=Link(1e9))
+    machine = cluster.machines[0]
+    machine.cores.call_wait = 0.3
+    cluster.env.process(machine.call(0.5, 0.5))
+    cluster.run()
+    assert cluster.env.now == pytest.approx(0.5)
+
+
+def test_the_wait_per_call_is_what_the_measured_step_needs():
+    """`call_wait_s` inverts the engine: with the wait it finds, the engine's step beside
+    the measurement's pairs (paced to the measured rate) is the measured one; a step no
+    longer than sharing the cores gives needs no wait."""
+    from scaleout.sim.measure_beside import (
+        BesideCalls,
+        _simulated_step,
+        call_wait_s,
+        paced_pairs,
+    )
+
+    pull = MessageCost(fixed_s=1e-3, bytes_per_s=2e9, cpu_fixed_s=1.5e-3, cpu_bytes_per_s=1e9)
+    push = MessageCost(fixed_s=1e-3, bytes_per_s=3e9)
+    nbytes, apply_s, step_s = 4_000_000, 1.5e-3, 0.013
+    args = (pull, push, apply_s, nbytes, 2, 0.0)
+
+    def step(beside, wait):
+        period = step_s * beside.wall_ratio / beside.pairs_per_step
+        pair = paced_pairs(pull, push, apply_s, nbytes, period)
+        return _simulated_step(step_s, beside, wait, pair, 2, 0.0)
+
+    measured = BesideCalls(cpu_ratio=1.05, wall_ratio=1.3, pairs_per_step=1.0)
+    found = call_wait_s(step_s, measured, *args)
+    assert 0 < found < step_s
+    assert step(measured, found) == pytest.approx(1.3 * step_s, rel=1e-3)
+    assert step(measured, 1.1 * found) > 1.3 * step_s  # the step grows with the wait
+    shared = BesideCalls(cpu_ratio=1.05, wall_ratio=1.0, pairs_per_step=1.0)
+    assert call_wait_s(step_s, shared, *args) == 0.0
+
+
 def test_threads_share_cores_and_a_transfer_pays_both_ends():
     cluster = Cluster(2, cores=2, link=Link(bandwidth=1e6, latency=0.01))
     env = cluster.env

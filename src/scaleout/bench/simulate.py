@@ -232,6 +232,7 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
         if strategy == "downpour":  # a pull and a push, and the cores they keep busy
             extra += f" / {after.extra_core(LOCKSTEP_GAP_S, nbytes) * 1e3:.2f} core-ms a pair"
             note += f", beside calls {model.beside_calls:.3f}x"
+            note += f" and {model.call_wait_s * 1e3:.2f} ms a call"
         note += f", {extra} after {LOCKSTEP_GAP_S * 1e3:g} ms of compute"
     return note
 

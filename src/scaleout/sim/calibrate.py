@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from scaleout.sim.calibration import Calibration, CodecCost, ModelCost
-from scaleout.sim.measure_beside import measure_beside_calls
+from scaleout.sim.calibration import Calibration, CodecCost, MessageCost, ModelCost
+from scaleout.sim.measure_beside import call_wait_s, measure_beside_calls
 from scaleout.sim.measure_calls import (
     allreduce_sizes,
     average_sizes,
@@ -190,19 +190,31 @@ def downpour_slices(configs: Sequence[Any], models: dict[str, ModelCost]) -> lis
 def with_beside_calls(
     configs: Sequence[Any],  # noqa: ANN401 - RunConfigs
     models: dict[str, ModelCost],
+    pull: MessageCost,
+    push: MessageCost,
+    apply_ns: dict[str, float],
+    idle_cores: float,
 ) -> dict[str, ModelCost]:
-    """`models` with `ModelCost.beside_calls` measured for each model a Downpour config
-    trains, beside calls of its largest shard slice (Ray must be up)."""
+    """`models` with `ModelCost.beside_calls` and `call_wait_s` measured for each model a
+    Downpour config trains, beside calls of its largest shard slice (Ray must be up), the
+    calls priced as measured just before (`pull`, `push`)."""
     measured = dict(models)
     done = set()
+    cores = os.cpu_count() or 1
     for config in configs:
         key = model_key(config)
         if config.train.strategy != "downpour" or key in done:
             continue
         done.add(key)
         numel = max(shard_slices(config, models[key].num_parameters))
-        factor = measure_beside_calls(config, numel)
-        measured[key] = models[key].model_copy(update={"beside_calls": factor})
+        beside = measure_beside_calls(config, numel)
+        step_s = models[key].step_s(config.train.batch_size, 1)
+        # the measurement's shard runs Adagrad (`measure_beside._calls`)
+        apply_s = numel * apply_ns["adagrad"] * 1e-9
+        wait = call_wait_s(step_s, beside, pull, push, apply_s, 4 * numel, cores, idle_cores)
+        measured[key] = models[key].model_copy(
+            update={"beside_calls": beside.cpu_ratio, "call_wait_s": wait}
+        )
     return measured
 
 
@@ -251,7 +263,9 @@ def recalibrate(
                     fresh.apply_ns["sgd"], sizes
                 )
                 fresh.collect_s, fresh.collect_shard_s = measure_collect()
-                fresh.models = with_beside_calls(configs, fresh.models)
+                fresh.models = with_beside_calls(
+                    configs, fresh.models, fresh.pull, fresh.push, fresh.apply_ns, fresh.idle_cores
+                )
                 slices = downpour_slices(configs, fresh.models)
                 if slices:
                     after = measure_shard_calls_after_compute(slices)
@@ -298,7 +312,7 @@ def calibrate(
         pull, push, idle_cores = measure_shard_messages(apply_ns["sgd"], sizes)
         collect = measure_collect()
         say("a replica's step beside a shard's calls, its calls after its compute")
-        models = with_beside_calls(configs, models)
+        models = with_beside_calls(configs, models, pull, push, apply_ns, idle_cores)
         if downpour_slices(configs, models):
             lockstep["shard_calls"] = measure_shard_calls_after_compute(sizes)
     return Calibration(

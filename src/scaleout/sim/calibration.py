@@ -78,6 +78,10 @@ class ModelCost(_Model):
     # parameter-server shard (`measure_beside_calls`: their copies share the caches); 1:
     # not measured (a model calibrated for another strategy)
     beside_calls: float = Field(default=1.0, ge=1)
+    # wall seconds a computing 1-thread step loses each time a call between other processes
+    # starts on its machine, beyond sharing the cores (`measure_beside.call_wait_s`: their
+    # threads wake up on a computing thread's core); 0: not measured
+    call_wait_s: float = Field(default=0.0, ge=0)
 
     def step_s(self, batch: int, threads: int) -> float:
         """Seconds of one training step of `batch` examples at `threads` threads."""

@@ -40,6 +40,10 @@ class Shared:
     `beside_plain` (>= 1) slows `contended` jobs further while any plain job (a call, a
     copy, an optimizer's update) runs beside them: their copies evict the compute's data
     from the caches (calibrated for Downpour's calls: `ModelCost.beside_calls`).
+    `call_wait` (seconds) is what the contended jobs lose together, in wall time, each time
+    a call between processes starts on the machine (`Machine.call`): the call's threads wake
+    up and the scheduler hands them a computing thread's core, even with another core idle
+    (calibrated for Downpour's calls: `ModelCost.call_wait_s`).
 
     Every job of a class (contended or not) moves through its work at the same speed (its
     share of the units over its demand), so one virtual clock per class and a heap of the
@@ -66,6 +70,7 @@ class Shared:
         self._mark = (0.0, 0.0)  # (time, busy) that `utilisation` counts from
         self.slowdown: Callable[[int], float] | None = None
         self.beside_plain = 1.0
+        self.call_wait = 0.0
 
     def run(self, work: float, demand: float = 1.0, contended: bool = False) -> Process:
         """Do `work` seconds of work that can use up to `demand` units in parallel."""
@@ -88,6 +93,18 @@ class Shared:
         self._demand[kind] += units
         self._reshare()
         return done
+
+    def preempt(self, seconds: float) -> None:
+        """The contended jobs running now lose `seconds` of wall time together, shared
+        evenly: each one's end moves later by its share (a preempted thread, not less
+        work done)."""
+        heap = self._heaps[1]
+        if seconds <= EPS or not heap:
+            return
+        self._advance()
+        lost = seconds / len(heap) * self._speed[1]  # on the contended jobs' clock
+        self._heaps[1] = [(end + lost, order, units, done) for end, order, units, done in heap]
+        self._schedule()
 
     def contended_demand(self) -> float:
         """Units the contended jobs (a model's compute) running now ask for."""
@@ -216,7 +233,9 @@ class Machine:
 
     def call(self, seconds: float, cpu_seconds: float) -> Process:
         """A call between processes that takes `seconds` on a quiet machine and keeps
-        `cpu_seconds` of cores busy meanwhile (several threads and processes at once)."""
+        `cpu_seconds` of cores busy meanwhile (several threads and processes at once). The
+        models computing on the machine lose `cores.call_wait` to its threads waking up."""
+        self.cores.preempt(self.cores.call_wait)
         if seconds > EPS:
             # more parallel than the machine's cores: as long as they take for its CPU
             units = min(cpu_seconds / seconds, self.cores.capacity)

@@ -10,10 +10,17 @@ itself). Measured on this box for the demo's MLP beside calls of its 0.93M-value
 cores the calls take); a real 2x2 run's steps took +3.6% against its warm start's, where
 one replica computed with no other calls in flight.
 
-`measure_beside_calls` steps the model in a spawned process (one thread, thread CPU per
-step) in rounds, alternately with this process idle and with it making back-to-back
-pull + push calls through a real one-shard `ParameterServer` (in a thread, so that the
-queue to the stepper stays served); the ratio of the medians over rounds.
+Beside the calls the step also waits longer than sharing the cores explains: in one
+measurement its thread waited 0.30 s per second of its CPU while 0.36 of the box's 2 cores
+stood idle (processor sharing gives it about 0.15). Each call's threads wake up on some
+core, and the scheduler often hands them the computing thread's. The simulator charges
+that wait per call (`engine.Shared.call_wait`); `call_wait_s` finds the wait per call with
+which the engine, running this measurement's schedule, gives the measured step.
+
+`measure_beside_calls` steps the model in a spawned process (one thread, thread CPU and
+wall time per step) in rounds, alternately with this process idle and with it making
+back-to-back pull + push calls through a real one-shard `ParameterServer` (in a thread, so
+that the queue to the stepper stays served), counting the pairs; medians over rounds.
 """
 
 from __future__ import annotations
@@ -21,21 +28,36 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from scaleout.sim.calibration import MessageCost
+from scaleout.sim.engine import Cluster, Link, Process
 from scaleout.sim.measure_calls import shard_round_trip
 from scaleout.sim.measuring import START_AND_STEP_S
 
-ROUNDS = 6  # of each condition, alternately: the box drifts within seconds
+ROUNDS = 16  # of each condition, alternately: the box drifts within seconds
 STEPS = 12  # per round
 SETTLE_S = 0.05  # after the calls start or stop, before a round
+SIMULATED_STEPS = 60  # of the measurement's schedule in the engine, the first 10 left out
+
+
+@dataclass(frozen=True)
+class BesideCalls:
+    """A 1-thread step beside back-to-back pull + push pairs, against the same step alone
+    (medians over rounds)."""
+
+    cpu_ratio: float  # thread CPU per step beside over alone (>= 1)
+    wall_ratio: float  # wall time per step beside over alone
+    pairs_per_step: float  # pull + push pairs made during one step beside
 
 
 def _stepper(raw: dict, commands: Any, answers: Any) -> None:  # noqa: ANN401 - mp queues
     """In a spawned process: the model's 1-thread step; per command, the mean thread CPU
-    seconds of `STEPS` steps."""
+    seconds and wall seconds of `STEPS` steps."""
     from scaleout.api import config_from_dict
     from scaleout.sim.measure_compute import _Stepper
 
@@ -45,16 +67,15 @@ def _stepper(raw: dict, commands: Any, answers: Any) -> None:  # noqa: ANN401 - 
         stepper.step()
     answers.put("ready")
     while commands.get() is not None:
-        spent = []
+        cpu, wall = time.thread_time(), time.perf_counter()
         for _ in range(STEPS):
-            began = time.thread_time()
             stepper.step()
-            spent.append(time.thread_time() - began)
-        answers.put(statistics.mean(spent))
+        answers.put(((time.thread_time() - cpu) / STEPS, (time.perf_counter() - wall) / STEPS))
 
 
-def _calls(numel: int, running: threading.Event, stop: threading.Event) -> None:
-    """Back-to-back pull + push through a one-shard server while `running` is set."""
+def _calls(numel: int, running: threading.Event, stop: threading.Event, made: list[int]) -> None:
+    """Back-to-back pull + push through a one-shard server while `running` is set; counts
+    them in `made[0]`."""
     from scaleout.ps import ParameterServer
     from scaleout.train.config import TrainSection
 
@@ -65,32 +86,44 @@ def _calls(numel: int, running: threading.Event, stop: threading.Event) -> None:
             if not running.wait(timeout=0.05):
                 continue
             shard_round_trip(server, values, grad)
+            made[0] += 1
     finally:
         server.kill()
 
 
-def measure_beside_calls(config: Any, numel: int) -> float:  # noqa: ANN401 - a RunConfig
-    """CPU of `config`'s 1-thread training step while another process makes calls to a
-    shard of `numel` values, over the same step alone (>= 1). Needs Ray up (a session)."""
+def measure_beside_calls(config: Any, numel: int) -> BesideCalls:  # noqa: ANN401 - a RunConfig
+    """`config`'s 1-thread training step while another process makes calls to a shard of
+    `numel` values, against the same step alone. Needs Ray up (a session)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     commands, answers = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_stepper, args=(config.model_dump(mode="json"), commands, answers))
-    running, stop = threading.Event(), threading.Event()
-    caller = threading.Thread(target=_calls, args=(numel, running, stop), daemon=True)
+    running, stop, made = threading.Event(), threading.Event(), [0]
+    caller = threading.Thread(target=_calls, args=(numel, running, stop, made), daemon=True)
     proc.start()
     caller.start()
     try:
         answers.get(timeout=START_AND_STEP_S)
-        alone, beside = [], []
+        alone, beside, pairs = [], [], []
         for _ in range(ROUNDS):
             for calling, samples in ((False, alone), (True, beside)):
                 running.set() if calling else running.clear()
                 time.sleep(SETTLE_S)
+                before = made[0]
                 commands.put("step")
                 samples.append(answers.get(timeout=START_AND_STEP_S))
-        return max(1.0, statistics.median(beside) / statistics.median(alone))
+                if calling:
+                    pairs.append((made[0] - before) / STEPS)
+
+        def median(samples: list[tuple[float, float]], which: int) -> float:
+            return statistics.median(sample[which] for sample in samples)
+
+        return BesideCalls(
+            cpu_ratio=max(1.0, median(beside, 0) / median(alone, 0)),
+            wall_ratio=median(beside, 1) / median(alone, 1),
+            pairs_per_step=statistics.median(pairs),
+        )
     finally:
         running.clear()
         stop.set()
@@ -99,3 +132,85 @@ def measure_beside_calls(config: Any, numel: int) -> float:  # noqa: ANN401 - a 
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def _simulated_step(
+    step_s: float,
+    beside: BesideCalls,
+    wait: float,
+    pair: Callable[[Any], Process],
+    cores: float,
+    idle_cores: float,
+) -> float:
+    """Mean wall seconds of a `step_s` step in the engine beside one `pair` after another,
+    slowed by `beside.cpu_ratio` while they run and by `wait` per call."""
+    cluster = Cluster(1, cores, Link(bandwidth=1e9), idle_cores=idle_cores)
+    env, machine = cluster.env, cluster.machines[0]
+    machine.cores.beside_plain, machine.cores.call_wait = beside.cpu_ratio, wait
+    walls: list[float] = []
+
+    def calls() -> Process:
+        while True:
+            yield from pair(machine)
+
+    def steps() -> Process:
+        for _ in range(SIMULATED_STEPS):
+            began = env.now
+            yield from machine.compute(step_s)
+            walls.append(env.now - began)
+
+    env.process(calls())
+    cluster.run(until=env.process(steps()))
+    return statistics.mean(walls[10:])
+
+
+def paced_pairs(
+    pull: MessageCost, push: MessageCost, apply_s: float, nbytes: int, period_s: float
+) -> Callable[[Any], Process]:
+    """The measurement's pull + push pair of `nbytes` as `DownpourSim` prices it (the
+    shard's side of the pull, the caller's, the caller's side of the push, the shard's, its
+    update `apply_s`), one every `period_s` at most: the rate the measurement counted (a
+    pair beside a computing process takes longer than the calls' quiet prices; the engine
+    prices that wait at a replica's wake-up, not here)."""
+    (caller, callee), (push_caller, push_callee) = pull.sides(nbytes), push.sides(nbytes)
+
+    def pair(machine: Any) -> Process:  # noqa: ANN401 - an engine.Machine
+        began = machine.env.now
+        for wall, cpu in (callee, caller, push_caller, push_callee):
+            yield from machine.call(wall, cpu)
+        yield from machine.work(apply_s)
+        if (rest := began + period_s - machine.env.now) > 0:
+            yield machine.env.timeout(rest)
+
+    return pair
+
+
+def call_wait_s(
+    step_s: float,
+    beside: BesideCalls,
+    pull: MessageCost,
+    push: MessageCost,
+    apply_s: float,
+    nbytes: int,
+    cores: float,
+    idle_cores: float = 0.0,
+) -> float:
+    """The wait per call (`engine.Shared.call_wait`) with which the engine, running the
+    measurement's schedule (a `step_s` step beside `beside.pairs_per_step` pairs a step,
+    `paced_pairs`), gives the step the measured `beside.wall_ratio`: 0 where sharing the
+    cores explains it already. Found by bisection; the step grows with the wait."""
+    target = step_s * beside.wall_ratio
+    pair = paced_pairs(pull, push, apply_s, nbytes, target / beside.pairs_per_step)
+
+    def simulated(wait: float) -> float:
+        return _simulated_step(step_s, beside, wait, pair, cores, idle_cores)
+
+    if simulated(0.0) >= target:
+        return 0.0
+    low, high = 0.0, step_s / 16
+    while simulated(high) < target and high < step_s:
+        low, high = high, 2 * high
+    for _ in range(20):
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < target else (low, middle)
+    return (low + high) / 2
