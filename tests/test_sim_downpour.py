@@ -127,6 +127,8 @@ def test_the_wait_per_call_is_what_the_measured_step_needs():
     assert step(measured, 1.1 * found) > 1.3 * step_s  # the step grows with the wait
     shared = BesideCalls(cpu_ratio=1.05, wall_ratio=1.0, pairs_per_step=1.0)
     assert call_wait_s(step_s, shared, *args) == 0.0
+    none = BesideCalls(cpu_ratio=1.05, wall_ratio=1.3, pairs_per_step=0.0)
+    assert call_wait_s(step_s, none, *args) == 0.0
 
 
 def test_threads_share_cores_and_a_transfer_pays_both_ends():
