@@ -16,7 +16,7 @@ stood idle (processor sharing gives it about 0.15). Each call's threads wake up 
 core, and the scheduler often hands them the computing thread's. The simulator charges
 that wait per call (`engine.Shared.call_wait`); `call_wait_s` finds the wait per call with
 which the engine, running this measurement's schedule, gives the measured step: 0.07-0.27 ms
-here for the demo's 3.7 MB slices with the caller at one thread, as a replica runs (0.4-0.6
+here for the demo's 3.7 MB slices with the caller at one thread, as a replica runs (0.4-0.7
 ms with torch's two threads in the caller, whose copies then take the other core too).
 
 `measure_beside_calls` steps the model in a spawned process (one thread, thread CPU and
