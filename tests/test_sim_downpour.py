@@ -380,6 +380,13 @@ def test_a_push_collects_the_last_ones_answers_and_zeroes_its_gradient():
     assert sim.push_bytes[0] == sim.push_bytes[1] and zero > apply
     assert after - before == pytest.approx(19 * collect + 20 * zero - 19 * apply, rel=1e-9)
 
+    # the model's zeroing measured after a step stands for the back-to-back rate
+    key = next(iter(priced.models))
+    cold = priced.model_copy(deep=True)
+    cold.models[key] = cold.models[key].model_copy(update={"zero_s": 2 * zero})
+    colder = DownpourSim(cfg, Setting(cold, machines=1)).run().run_s
+    assert colder - after == pytest.approx(20 * zero, rel=1e-9)
+
 
 def test_a_replicas_first_calls_after_compute_pay_their_wake_up():
     """With `lockstep["shard_calls"]` measured (1 ms and 0.5 core-ms after 2 to 20 ms of

@@ -584,6 +584,33 @@ def test_shard_updates_are_priced_per_value_for_every_optimizer():
     assert prices["adagrad"] > prices["sgd"], prices
 
 
+def test_a_replicas_zeroing_is_timed_after_a_step(monkeypatch):
+    """`zero_after_step` zeroes a buffer of the model's size right after each training
+    step (a replica's after a push, its gradient cold), never twice in a row."""
+    import torch
+
+    from scaleout.sim.measure_compute import _Stepper, zero_after_step
+
+    config = load_config(
+        "configs/mnist_downpour.toml", ["model.sizes=[784,16,10]", "model.dropout=[0.2,0.5]"]
+    )
+    stepper = _Stepper(config)
+    events: list[str] = []
+    step, zero = stepper.step, torch.Tensor.zero_
+    monkeypatch.setattr(stepper, "step", lambda *a: (events.append("step"), step(*a))[1])
+
+    def spied(tensor):
+        if tensor.numel() == 784 * 16 + 16 + 16 * 10 + 10:
+            events.append("zero")
+        return zero(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "zero_", spied)
+    seconds = zero_after_step(stepper, 4)
+    assert 0 < seconds < 0.01
+    assert events.count("zero") == 5 and "zero zero" not in " ".join(events)
+    assert events[0] == "step" and events[-1] == "zero"
+
+
 def test_the_optimizer_is_timed_after_a_fresh_step(monkeypatch):
     """The calibration times the optimizer as a sync worker runs it: each timed step comes
     after zeroing the gradients and a new forward and backward pass, not back to back on

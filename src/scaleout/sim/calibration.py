@@ -61,6 +61,10 @@ class ModelCost(_Model):
     phase_eval_s: list[PositiveFloat] = []
     load_s: float = 0.0  # seconds per example of the loader alone (within train_s)
     optimizer_s: float = 0.0  # seconds per step of the config's optimizer on the whole model
+    # seconds to zero a gradient buffer of the model's size right after a step (a Downpour
+    # replica's after each push: cold from memory); None: not measured, the back-to-back
+    # `Calibration.zero_bytes_per_s` stands
+    zero_s: float | None = Field(default=None, ge=0)
     # the share of a 1-thread step that is backward (the rest: loading, forward, the loss);
     # None: not measured (a hardware file), `scaleout.sim.sync.BACKWARD_FRACTION` stands
     backward_fraction: float | None = Field(default=None, gt=0, lt=1)

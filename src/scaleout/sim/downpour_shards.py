@@ -21,7 +21,7 @@ from scaleout.sim.engine import Process
 from scaleout.sim.sync import checkpoint_bytes
 
 if TYPE_CHECKING:
-    from scaleout.sim.calibration import Calibration
+    from scaleout.sim.calibration import Calibration, ModelCost
     from scaleout.sim.engine import Cluster
 
 
@@ -31,17 +31,25 @@ class ShardCalls:
     env: simpy.Environment
     cluster: Cluster
     cal: Calibration
+    cost: ModelCost
+    numel: int
     opts: Any  # DownpourSection
     train: Any  # TrainSection
     shards: list[Shard]
     scale: float
-    numel: int
     pull_bytes: list[int]
     push_bytes: list[int]
     push_codecs: list[str]
     staleness: list[int]
     pushes: int
     pulls: int
+
+    def _zero_s(self) -> float:
+        """A replica zeroing its gradient after a push: as measured after a step (cold from
+        memory) where the model was, else back to back."""
+        if self.cost.zero_s is not None:
+            return self.cost.zero_s
+        return self.cal.zero_s(self.numel)
 
     def _state_bytes(self, shard: Shard) -> int:
         """What a shard's checkpoint writes: its values and its optimizer's state."""
@@ -206,7 +214,7 @@ class ShardCalls:
             yield from machine.work(self.cal.collect_push_s(len(replica.pending)))
         replica.pending = []
         yield from self._send(replica, list(replica.versions))
-        yield from machine.work(self.cal.zero_s(self.numel))
+        yield from machine.work(self._zero_s())
 
     def _send(self, replica: Replica, versions: list[int]) -> Process:
         """Encode the gradient per shard and put each slice into the object store; the

@@ -33,6 +33,7 @@ class ReplicaThreads:
 
         def _fetch(self, replica: Replica, versions: list[int]) -> Process: ...
         def _send(self, replica: Replica, versions: list[int]) -> Process: ...
+        def _zero_s(self) -> float: ...
 
     def _copy(self, replica: Replica) -> Process:
         """One copy of the whole model's values on the replica's machine."""
@@ -117,5 +118,5 @@ class ReplicaThreads:
         """The compute thread's push: a copy of the gradient into the push thread's queue
         (waiting while two are queued), its buffer zeroed."""
         yield from self._copy(replica)
-        yield from self.cluster.machines[replica.machine].work(self.cal.zero_s(self.numel))
+        yield from self.cluster.machines[replica.machine].work(self._zero_s())
         yield threads.outbox.put(list(replica.versions))
