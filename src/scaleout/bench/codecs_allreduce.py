@@ -45,6 +45,7 @@ from scaleout.bench.codecs_transfer import (
     measured_link,
     missing,
     run_pair,
+    speed_note,
 )
 from scaleout.comm import destroy_distributed, join_group
 from scaleout.compress.link import TIMED_SIZES, average_8bit
@@ -178,11 +179,7 @@ def measure() -> tuple[list[Row], list[str], dict]:
         f"{MIN_REPS}); 8-bit = dynamic8 per tensor as ddp_hook sends it; auto = the hook on "
         "compress.link, choosing by both schedules as `OnLink.agree` timed them between the "
         f"hosts at {sizes} values ({timed}) with the codec measured on both (the slower's terms at "
-        f"{RATES[0]}: encode + pack "
-        f"{1e6 * speed['send_call_s']:.1f} us + {1e9 * speed['send_value_s']:.2f} ns/value, "
-        f"unpack + decode {1e6 * speed['receive_call_s']:.1f} us + "
-        f"{1e9 * speed['receive_value_s']:.2f} ns/value). Both hosts share this machine's 2 "
-        "cores.",
+        f"{RATES[0]}: {speed_note(speed)}). Both hosts share this machine's 2 cores.",
     ]
     return rows, notes, results
 

@@ -380,13 +380,20 @@ def measure() -> tuple[list[Row], list[str], dict]:
         "to 1M values crossed it first (a Theil-Sen line through their medians: bandwidth, "
         "fixed cost of a message incl. the acknowledgement): "
         f"{measured}; and the codec as host 0 measured it at the {RATES[0]} run: "
-        f"encode + pack {1e6 * speed['send_call_s']:.1f} us + "
-        f"{1e9 * speed['send_value_s']:.2f} ns/value, unpack + decode "
-        f"{1e6 * speed['receive_call_s']:.1f} us + {1e9 * speed['receive_value_s']:.2f} ns/value.",
+        f"{speed_note(speed)}.",
         "Both hosts share this machine's 2 cores (and other engineers' jobs): encode and "
         "decode compete for them, which a real pair of machines would not.",
     ]
     return rows, notes, results
+
+
+def speed_note(speed: dict[str, float]) -> str:
+    """A `CodecSpeed` (as a dict) in words, for a suite's notes."""
+    return (
+        f"encode + pack {1e6 * speed['send_call_s']:.1f} us + "
+        f"{1e9 * speed['send_value_s']:.2f} ns/value, unpack + decode "
+        f"{1e6 * speed['receive_call_s']:.1f} us + {1e9 * speed['receive_value_s']:.2f} ns/value"
+    )
 
 
 @register_suite("codecs_transfer", "8-bit paper Figure 6: transfer time raw vs 8-bit, 2 hosts")

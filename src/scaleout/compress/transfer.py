@@ -101,9 +101,10 @@ class LinkSpeed:
         return self.latency_s + nbytes / self.bytes_per_s
 
 
-def median_s(call: Callable[[], Any], repeats: int) -> float:
-    """The median seconds of `repeats` timed calls of `call()`, after one warm-up call."""
-    call()
+def median_s(call: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """The median seconds of `repeats` timed calls of `call()`, after `warmup` calls."""
+    for _ in range(warmup):
+        call()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()

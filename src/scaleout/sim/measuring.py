@@ -7,7 +7,6 @@ The pieces every calibration step uses (`scaleout.sim.calibrate`,
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from queue import Empty
@@ -18,14 +17,9 @@ START_AND_STEP_S = 300.0  # a measuring process that has not answered by then fa
 
 def timed(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
     """The median seconds of `fn()` over `repeats` runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    from scaleout.compress.transfer import median_s  # imports torch: not at start-up
+
+    return median_s(fn, repeats, warmup)
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
