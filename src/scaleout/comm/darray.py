@@ -56,7 +56,6 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from scaleout.comm.windows import Window, intersections
 from scaleout.compress import Codec, Encoded
-from scaleout.compress.link import OnLink
 from scaleout.compress.payload import layout, pack, packed_size, unpack
 
 __all__ = ["DistributedArray", "ExchangePlan", "Transport", "exchange"]
@@ -178,9 +177,7 @@ def _send_piece(codec: Codec, piece: Tensor, key: tuple) -> Tensor:
     sends its size raw, its own values' bytes."""
     if codec.encodes(piece.numel()):
         return pack(codec.encode(piece, key))
-    if isinstance(codec, OnLink):
-        piece = codec.raw(piece, key)
-    return piece.contiguous().view(torch.uint8)
+    return codec.raw(piece, key).contiguous().view(torch.uint8)
 
 
 def _as(received: Tensor, dtype: torch.dtype) -> Tensor:

@@ -65,6 +65,11 @@ class Codec(ABC):
         raw can be faster (`scaleout.compress.link.OnLink`)."""
         return True
 
+    def raw(self, x: torch.Tensor, key: Hashable | None = None) -> torch.Tensor:
+        """What a message of `x` that this codec lets travel raw (`encodes` False) carries:
+        x itself, unless the codec keeps a residual for it (`ErrorFeedback`)."""
+        return x
+
     def roundtrip(self, x: torch.Tensor, key: Hashable | None = None) -> torch.Tensor:
         """decode(encode(x)): what a receiver of x gets."""
         return self.decode(self.encode(x, key))

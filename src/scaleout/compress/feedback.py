@@ -72,6 +72,10 @@ class ErrorFeedback(Codec):
     def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.codec.decode(encoded, out)
 
+    def raw(self, x: torch.Tensor, key: Hashable | None = None) -> torch.Tensor:
+        """x plus the residual, which a raw message carries in full (and spends)."""
+        return self.spend(x, key).view(x.shape).to(x.dtype)
+
     def forget(self, key: Hashable) -> None:
         self.residuals.pop(key, None)
         self.codec.forget(key)

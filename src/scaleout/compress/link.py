@@ -101,10 +101,8 @@ class OnLink(Codec):
         self.codec.forget(key)
 
     def raw(self, x: torch.Tensor, key: Hashable | None = None) -> torch.Tensor:
-        """What a message of `x` sent raw carries."""
-        if isinstance(self.codec, ErrorFeedback):
-            return self.codec.spend(x, key).view(x.shape).to(x.dtype)
-        return x
+        """What a message of `x` sent raw carries (the wrapped codec's `raw`)."""
+        return self.codec.raw(x, key)
 
     def agree(self, group: dist.ProcessGroup | None = None, buckets: bool = True) -> None:
         """Measure the codec here and, for DDP's `buckets`, time a bucket's average raw and
