@@ -368,3 +368,45 @@ def test_a_calls_share_of_the_cores_beside_computing_processes():
     assert shared_wall(call, 1, 8) == pytest.approx(0.010)
     no_cpu = CallCost(wall_s=0.010, cpu_s=None, caller_cpu_s=0.0)  # one core: demand 2 on 2
     assert shared_wall(no_cpu, 1, 2) == pytest.approx(0.010)
+
+
+def test_a_disturbed_round_does_not_set_a_calls_price():
+    """`measure_calls`: the calls take turns over rounds, and each price is the median of
+    the rounds' means, so one disturbed round (a call 20x slower throughout) leaves the
+    price at the undisturbed call's, while every call still runs in every round."""
+    import contextlib
+    import time
+
+    from scaleout.sim.measure_calls import Timed, measure_calls
+
+    rounds = {"fast": 0, "slow": 0}
+
+    def sleeper(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def counting(name: str):  # noqa: ANN202
+        @contextlib.contextmanager
+        def around():  # noqa: ANN202
+            rounds[name] += 1
+            yield
+
+        return around
+
+    def fast() -> None:
+        sleeper(1e-3)
+
+    def slow() -> None:  # 2 ms, but 40 ms in its second round (the first is its warm-up)
+        sleeper(40e-3 if rounds["slow"] == 3 else 2e-3)
+
+    fast_cost, slow_cost = measure_calls(
+        [Timed(fast, around=counting("fast")), Timed(slow, around=counting("slow"))],
+        idle=0.0,
+        min_s=0.25,
+        warmup=1,
+        rounds=5,
+    )
+    assert rounds == {"fast": 6, "slow": 6}  # the warm-up, then 5 rounds
+    assert 0.9e-3 < fast_cost.wall_s < 3e-3  # preemption may lengthen a round here
+    assert 1.9e-3 < slow_cost.wall_s < 5e-3  # the rounds' means average 9.6 ms

@@ -75,15 +75,23 @@ def _stepper(raw: dict, commands: Any, answers: Any) -> None:  # noqa: ANN401 - 
         answers.put(((time.thread_time() - cpu) / STEPS, (time.perf_counter() - wall) / STEPS))
 
 
-def _calls(numel: int, running: threading.Event, stop: threading.Event, made: list[int]) -> None:
+def _calls(
+    numel: int,
+    ready: threading.Event,
+    running: threading.Event,
+    stop: threading.Event,
+    made: list[int],
+) -> None:
     """Back-to-back pull + push through a one-shard server while `running` is set; counts
-    them in `made[0]`."""
+    them in `made[0]`. `ready` once the server is up and has made a round trip."""
     from scaleout.ps import ParameterServer
     from scaleout.train.config import TrainSection
 
     server = ParameterServer.create(torch.zeros(numel), 1, TrainSection(optimizer="adagrad"))
     try:
         values, grad = torch.empty(numel), torch.randn(numel)
+        shard_round_trip(server, values, grad)
+        ready.set()
         while not stop.is_set():
             if not running.wait(timeout=0.05):
                 continue
@@ -101,12 +109,14 @@ def measure_beside_calls(config: Any, numel: int) -> BesideCalls:  # noqa: ANN40
     ctx = mp.get_context("spawn")
     commands, answers = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_stepper, args=(config.model_dump(mode="json"), commands, answers))
-    running, stop, made = threading.Event(), threading.Event(), [0]
-    caller = threading.Thread(target=_calls, args=(numel, running, stop, made), daemon=True)
+    ready, running, stop, made = threading.Event(), threading.Event(), threading.Event(), [0]
+    caller = threading.Thread(target=_calls, args=(numel, ready, running, stop, made), daemon=True)
     proc.start()
     caller.start()
     try:
         answers.get(timeout=START_AND_STEP_S)
+        if not ready.wait(timeout=START_AND_STEP_S):  # else the rounds would count no calls
+            raise TimeoutError(f"the shard for the calls did not start in {START_AND_STEP_S} s")
         alone, beside, pairs = [], [], []
         for _ in range(ROUNDS):
             for calling, samples in ((False, alone), (True, beside)):

@@ -10,7 +10,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ MESSAGE_SIZES = (65_536, 1_048_576, 4_194_304)  # values (float32)
 ALLREDUCE_SIZES = (16_384, 65_536, 262_144, 1_048_576, 4_194_304)
 COLLECTIVE_MIN_S = 1.0  # of two-process collectives per size, in all rounds together
 COLLECTIVE_ROUNDS = 4
+SHARD_MESSAGE_MIN_S = 1.0  # per call and size, over all rounds
 AVERAGE_SIZES = (262_144, 1_048_576, 4_194_304)
 AVERAGE_PIECES = 8  # tensors averaged together (a small network's weights and state)
 
@@ -60,6 +61,17 @@ class CallCost:
     caller_wall_s: float | None = None  # until the caller went on, when `fn` says
 
 
+@dataclass
+class Timed:
+    """A call to measure (`measure_calls`): `fn` may return the seconds its caller was held
+    up; `before` runs ahead of each call, its own thread CPU not counted (a caller's
+    compute); `around` holds while the call is timed (other processes computing)."""
+
+    fn: Callable[[], float | None]
+    before: Callable[[], None] | None = None
+    around: Callable[[], AbstractContextManager[Any]] = nullcontext
+
+
 def measure_call(
     fn: Callable[[], float | None],
     idle: float,
@@ -67,37 +79,71 @@ def measure_call(
     warmup: int = 20,
     before: Callable[[], None] | None = None,
 ) -> CallCost:
-    """`fn()` repeated for at least `min_s` (the CPU counters tick at 100 Hz), after
+    """`fn()` repeated for at least `min_s` in one run (see `measure_calls`)."""
+    return measure_calls([Timed(fn, before)], idle, min_s, warmup, rounds=1)[0]
+
+
+def measure_calls(
+    calls: Sequence[Timed], idle: float, min_s: float = 0.8, warmup: int = 20, rounds: int = 5
+) -> list[CallCost]:
+    """Each call repeated for at least `min_s` (the CPU counters tick at 100 Hz), after
     `warmup` calls (Ray's object store is slower until its memory has been used once); the
-    machine's busy cores less `idle` cores of background. `fn` may return the seconds its
-    caller was held up, when that is less than the whole call. Means, not medians: a pull
-    of 3.7 MB took 2.5 ms at the median and 3.2 ms on average here (one in ten took more
-    than 5 ms), and a run pays every call; the core-seconds are a mean already. `before`:
-    run ahead of each timed call (a caller's compute), its own thread CPU not counted."""
-    for _ in range(warmup):
-        fn()
+    machine's busy cores less `idle` cores of background.
+
+    The calls take turns over `rounds` rounds of `min_s / rounds` each, and each cost is
+    the median over the rounds of the round's mean. Means within a round, not medians: a
+    pull of 3.7 MB took 2.5 ms at the median and 3.2 ms on average here (one in ten took
+    more than 5 ms), and a run pays every call. Medians over rounds, and rounds rather than
+    one run per call: on this box one second in a few is disturbed (a pull of 3.7 MB
+    measured 7.6 ms in one run, 3.2-3.6 ms in the runs around it), and such a run set the
+    size's price outright."""
+    for call in calls:
+        with call.around():
+            for _ in range(warmup):
+                call.fn()
+    per_round: list[list[CallCost]] = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, costs in zip(calls, per_round, strict=True):
+            with call.around():
+                costs.append(_run(call, idle, min_s / rounds, max(3, math.ceil(9 / rounds))))
+    return [_median(costs) for costs in per_round]
+
+
+def _run(call: Timed, idle: float, min_s: float, min_calls: int) -> CallCost:
     times: list[float] = []
     held: list[float] = []
     excluded = 0.0  # thread CPU of `before`
     busy, own, started = busy_cores_s(), time.process_time(), time.perf_counter()
-    while len(times) < 9 or time.perf_counter() - started < min_s:
-        if before is not None:
+    while len(times) < min_calls or time.perf_counter() - started < min_s:
+        if call.before is not None:
             began = time.thread_time()
-            before()
+            call.before()
             excluded += time.thread_time() - began
         begin = time.perf_counter()
-        caller = fn()
+        caller = call.fn()
         times.append(time.perf_counter() - begin)
         if caller is not None:
             held.append(caller)
-    elapsed, calls = time.perf_counter() - started, len(times)
-    caller_cpu = (time.process_time() - own - excluded) / calls
+    elapsed, count = time.perf_counter() - started, len(times)
+    caller_cpu = (time.process_time() - own - excluded) / count
     after = busy_cores_s()
     total = None
     if busy is not None and after is not None:
-        total = (after - busy - excluded - idle * elapsed) / calls
+        total = (after - busy - excluded - idle * elapsed) / count
     caller_wall = statistics.mean(held) if held else None
     return CallCost(statistics.mean(times), total, caller_cpu, caller_wall)
+
+
+def _median(costs: Sequence[CallCost]) -> CallCost:
+    """Each field's median over the rounds."""
+    cpus = [c.cpu_s for c in costs]
+    held = [c.caller_wall_s for c in costs]
+    return CallCost(
+        statistics.median(c.wall_s for c in costs),
+        None if None in cpus else statistics.median(cpus),  # type: ignore[type-var]
+        statistics.median(c.caller_cpu_s for c in costs),
+        None if None in held else statistics.median(held),  # type: ignore[type-var]
+    )
 
 
 def message_cost(nbytes: Sequence[int], calls: Sequence[CallCost]) -> MessageCost:
@@ -161,20 +207,19 @@ def measure_shard_messages(
     from scaleout.ps import ParameterServer
     from scaleout.train.config import TrainSection
 
-    pulls, pushes, nbytes, idles = [], [], [], []
-    for size in sizes:
-        optimizer = TrainSection(optimizer="sgd")
-        server = ParameterServer.create(torch.zeros(size), 1, optimizer, resource=resource)
-        try:
+    servers: list[ParameterServer] = []
+    try:
+        calls = []
+        for size in sizes:  # every size's shard up at once: their calls take turns
+            server = ParameterServer.create(
+                torch.zeros(size), 1, TrainSection(optimizer="sgd"), resource=resource
+            )
+            servers.append(server)
             out, grad = torch.empty(size), torch.randn(size)
             server.pull_into(out)
-            idle = measure_idle()
-            idles.append(idle)
 
             def pull(s: ParameterServer = server, o: torch.Tensor = out) -> None:
                 s.pull_into(o)  # the caller waits for all of it
-
-            pulls.append(measure_call(pull, idle))
 
             def push(s: ParameterServer = server, g: torch.Tensor = grad) -> float:
                 started = time.perf_counter()
@@ -183,16 +228,20 @@ def measure_shard_messages(
                 s.settle(pushes)
                 return held
 
-            call = measure_call(push, idle)
-            update = apply_ns * 1e-9 * size
-            call.wall_s = max(call.wall_s - update, 1e-6)
-            if call.cpu_s is not None:
-                call.cpu_s = max(call.cpu_s - update, 1e-6)
-            pushes.append(call)
-            nbytes.append(4 * size)
-        finally:
+            calls += [Timed(pull), Timed(push)]
+        idle = measure_idle()
+        costs = measure_calls(calls, idle, min_s=SHARD_MESSAGE_MIN_S)
+    finally:
+        for server in servers:
             server.kill()
-    return message_cost(nbytes, pulls), message_cost(nbytes, pushes), statistics.median(idles)
+    pulls, pushes = costs[0::2], costs[1::2]
+    for size, call in zip(sizes, pushes, strict=True):
+        update = apply_ns * 1e-9 * size
+        call.wall_s = max(call.wall_s - update, 1e-6)
+        if call.cpu_s is not None:
+            call.cpu_s = max(call.cpu_s - update, 1e-6)
+    nbytes = [4 * size for size in sizes]
+    return message_cost(nbytes, pulls), message_cost(nbytes, pushes), idle
 
 
 def shard_round_trip(server: ParameterServer, values: torch.Tensor, grad: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ after `SHARD_CALL_LOADED_GAP_S` of compute, with a computing process on every ot
 (`OtherCores`), less what processor sharing gives it (`shared_wall`: its measured cores
 beside those processes, as `Machine.call` prices it) is `LockstepCost.loaded_s`. Measured
 here at 3.7 MB: 10 ms after 8 ms of compute, 13-16 ms with the other core computing,
-where sharing explains 11 ms.
+where sharing explains 11 ms. All the pairs take turns over rounds (`measure_calls`).
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ import torch
 from scaleout.sim.calibration import LockstepCost
 from scaleout.sim.measure_calls import (
     CallCost,
+    Timed,
     allreduce_call,
     exchange_call,
     gloo_pair,
-    measure_call,
+    measure_calls,
     measure_idle,
     on_two_ranks,
     shard_round_trip,
@@ -171,42 +172,41 @@ def measure_shard_calls_after_compute(
     torch.set_num_threads(1)  # a replica of one thread
     filler = Filler()
     cores = os.cpu_count() or 1
-    extra, extra_core, loaded = [], [], []
+    gaps = (*gaps_s, SHARD_CALL_LOADED_GAP_S)  # the loaded gap once
     others = OtherCores(cores - 1) if cores > 1 else None
+    servers: list[ParameterServer] = []
     try:
-        for size in sizes:
+        calls: list[Timed] = []
+        for size in sizes:  # every size's shard up at once: their calls take turns
             server = ParameterServer.create(torch.zeros(size), 1, TrainSection(optimizer="sgd"))
-            try:
-                values, grad = torch.empty(size), torch.randn(size)
-                pair = functools.partial(shard_round_trip, server, values, grad)
-
-                for _ in range(WARMUP * 5):  # the object store's memory used once
-                    pair()
-                idle = measure_idle(1.0)
-                alone = measure_call(pair, idle, SHARD_CALL_SAMPLE_S, warmup=0)
-                after = {
-                    gap: measure_call(
-                        pair, idle, SHARD_CALL_SAMPLE_S, 0, lambda gap=gap: filler.run(gap)
-                    )
-                    for gap in (*gaps_s, SHARD_CALL_LOADED_GAP_S)  # the loaded gap once
-                }
-                cores_used = alone.cpu_s or 0.0  # none without /proc: no extra core-seconds
-                extra.append([max(after[g].wall_s - alone.wall_s, 0.0) for g in gaps_s])
-                extra_core.append([max((after[g].cpu_s or 0.0) - cores_used, 0.0) for g in gaps_s])
-                if others is not None:
-                    gap = SHARD_CALL_LOADED_GAP_S
-                    with others.computing():
-                        busy = measure_call(
-                            pair, idle, SHARD_CALL_SAMPLE_S, 0, lambda gap=gap: filler.run(gap)
-                        )
-                    shared = shared_wall(after[gap], cores - 1, cores)
-                    loaded.append(max(busy.wall_s - shared, 0.0))
-            finally:
-                server.kill()
+            servers.append(server)
+            values, grad = torch.empty(size), torch.randn(size)
+            pair = functools.partial(shard_round_trip, server, values, grad)
+            for _ in range(WARMUP * 5):  # the object store's memory used once
+                pair()
+            calls.append(Timed(pair))
+            calls += [Timed(pair, functools.partial(filler.run, gap)) for gap in gaps]
+            if others is not None:
+                gap = functools.partial(filler.run, SHARD_CALL_LOADED_GAP_S)
+                calls.append(Timed(pair, gap, others.computing))
+        idle = measure_idle(1.0)
+        costs = measure_calls(calls, idle, SHARD_CALL_SAMPLE_S, warmup=0)
     finally:
+        for server in servers:
+            server.kill()
         if others is not None:
             others.close()
         torch.set_num_threads(threads)
+    extra, extra_core, loaded = [], [], []
+    per_size = 2 + len(gaps_s) + (others is not None)
+    for first in range(0, per_size * len(sizes), per_size):
+        alone, *after = costs[first : first + per_size]
+        cores_used = alone.cpu_s or 0.0  # none without /proc: no extra core-seconds
+        extra.append([max(a.wall_s - alone.wall_s, 0.0) for a in after[: len(gaps_s)]])
+        extra_core.append([max((a.cpu_s or 0.0) - cores_used, 0.0) for a in after[: len(gaps_s)]])
+        if others is not None:
+            shared = shared_wall(after[len(gaps_s)], cores - 1, cores)
+            loaded.append(max(after[-1].wall_s - shared, 0.0))
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     return LockstepCost(
         measured_bytes=[4 * sizes[i] for i in order],
