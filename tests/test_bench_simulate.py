@@ -317,18 +317,18 @@ def test_a_step_beside_a_shards_calls_is_measured_against_the_step_alone(ray_ses
 
 
 def test_a_calls_measurement_leaves_out_the_compute_before_each_call():
-    """`measure_call(before=...)`: 2 ms of this thread's compute ahead of each call are
+    """`measure_calls` with a `before`: 2 ms of this thread's compute ahead of each call are
     neither in the call's wall time nor in its core-seconds."""
     import time
 
-    from scaleout.sim.measure_calls import measure_call
+    from scaleout.sim.measure_calls import Timed, measure_calls
 
     def compute() -> None:
         end = time.perf_counter() + 2e-3
         while time.perf_counter() < end:
             pass
 
-    cost = measure_call(lambda: None, idle=0.0, min_s=0.2, warmup=0, before=compute)
+    (cost,) = measure_calls([Timed(lambda: None, compute)], idle=0.0, min_s=0.2, warmup=0)
     assert cost.wall_s < 1e-3
     assert cost.caller_cpu_s < 1e-3  # a call's 2 ms of compute would show here
 

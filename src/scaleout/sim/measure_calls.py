@@ -72,17 +72,6 @@ class Timed:
     around: Callable[[], AbstractContextManager[Any]] = nullcontext
 
 
-def measure_call(
-    fn: Callable[[], float | None],
-    idle: float,
-    min_s: float = 0.8,
-    warmup: int = 20,
-    before: Callable[[], None] | None = None,
-) -> CallCost:
-    """`fn()` repeated for at least `min_s` in one run (see `measure_calls`)."""
-    return measure_calls([Timed(fn, before)], idle, min_s, warmup, rounds=1)[0]
-
-
 def measure_calls(
     calls: Sequence[Timed], idle: float, min_s: float = 0.8, warmup: int = 20, rounds: int = 5
 ) -> list[CallCost]:
