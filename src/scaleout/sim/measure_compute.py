@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -199,23 +200,35 @@ def measure_ddp(config: Any, rounds: int = 7) -> float:  # noqa: ANN401
     return in_processes(_ddp_overhead, args, 1)[0]
 
 
+def _after_steps(
+    stepper: _Stepper, steps: int, work: Callable[[], Any], before: Callable[[], Any] | None = None
+) -> float:
+    """Median seconds of `work()` right after each of `steps` training steps (`before()`
+    ahead of each step); one more step and its `work` first, left out (a warm-up)."""
+    times = []
+    for _ in range(steps + 1):
+        if before is not None:
+            before()
+        stepper.step()
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
 def optimizer_after_step(stepper: _Stepper, steps: int) -> float:
     """Median seconds of the config's optimizer step right after a training step, as a
     sync worker runs it (zero the gradients, step, then the optimizer): its state comes
     cold from memory the forward and backward passes went through. Back to back on one
     gradient it runs from the caches and costs less (the 784-256-10 MLP's momentum step
-    0.10 ms against 0.17 after a step here; 0.24 in a two-worker run)."""
+    0.10 ms against 0.17 after a step here; 0.24 in a two-worker run). The first step,
+    left out, builds the optimizer's state."""
     from scaleout.nn.optim import build_optimizer
 
     optimizer = build_optimizer(stepper.model.parameters(), stepper.job.train)
-    times = []
-    for _ in range(steps + 1):
-        optimizer.zero_grad(set_to_none=True)
-        stepper.step()
-        started = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])  # the first step builds the optimizer's state
+    return _after_steps(
+        stepper, steps, optimizer.step, lambda: optimizer.zero_grad(set_to_none=True)
+    )
 
 
 def zero_after_step(stepper: _Stepper, steps: int) -> float:
@@ -224,13 +237,7 @@ def zero_after_step(stepper: _Stepper, steps: int) -> float:
     evicted it from the caches. Back to back it stays in them and costs a third (the demo's
     1.86M values: 0.30 ms against 0.80-0.95 after a step here; 0.81 ms median in a run)."""
     flat = torch.ones(sum(p.numel() for p in stepper.model.parameters() if p.requires_grad))
-    times = []
-    for _ in range(steps + 1):
-        stepper.step()
-        started = time.perf_counter()
-        flat.zero_()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+    return _after_steps(stepper, steps, flat.zero_)
 
 
 def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noqa: ANN401
