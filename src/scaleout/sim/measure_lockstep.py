@@ -198,8 +198,8 @@ def measure_shard_calls_after_compute(
             others.close()
         torch.set_num_threads(threads)
     extra, extra_core, loaded = [], [], []
-    per_size = 2 + len(gaps_s) + (others is not None)
-    for first in range(0, per_size * len(sizes), per_size):
+    per_size = len(calls) // len(sizes)  # the pair alone, after each gap, loaded
+    for first in range(0, len(calls), per_size):
         alone, *after = costs[first : first + per_size]
         cores_used = alone.cpu_s or 0.0  # none without /proc: no extra core-seconds
         extra.append([max(a.wall_s - alone.wall_s, 0.0) for a in after[: len(gaps_s)]])
