@@ -334,8 +334,9 @@ def test_a_calls_measurement_leaves_out_the_compute_before_each_call():
 
 
 def test_other_cores_compute_only_while_asked():
-    """`OtherCores(1)`: a process that keeps one core busy inside `computing()` and leaves
-    it idle outside; what the loaded shard-call measurement puts beside the pair."""
+    """`OtherCores(2)`: processes that keep a core busy each inside `computing()` (the
+    first `count` of them with a count) and leave them idle outside; what the loaded
+    shard-call measurement puts beside the pair."""
     import time
 
     from scaleout.sim.measure_calls import busy_cores_s
@@ -349,11 +350,14 @@ def test_other_cores_compute_only_while_asked():
             pytest.skip("no /proc/stat here")
         return (after - before) / (time.perf_counter() - started)
 
-    with OtherCores(1) as others:
+    with OtherCores(2) as others:
         quiet = busy_cores(0.5)
+        with others.computing(1):
+            one = busy_cores(0.5)
         with others.computing():
-            loaded = busy_cores(0.5)
-    assert loaded - quiet > 0.7  # one more core at work (the box's own load aside)
+            both = busy_cores(0.5)
+    assert 0.7 < one - quiet < 1.3  # one more core at work (the box's own load aside)
+    assert both - quiet > 1.6
 
 
 def test_a_calls_share_of_the_cores_beside_computing_processes():
@@ -368,6 +372,36 @@ def test_a_calls_share_of_the_cores_beside_computing_processes():
     assert shared_wall(call, 1, 8) == pytest.approx(0.010)
     no_cpu = CallCost(wall_s=0.010, cpu_s=None, caller_cpu_s=0.0)  # one core: demand 2 on 2
     assert shared_wall(no_cpu, 1, 2) == pytest.approx(0.010)
+
+
+def test_a_calls_wait_for_cores_fits_the_loaded_pairs():
+    """`hop_wait`: pairs that took 4 and 8 ms beyond their share beside 1 and 2 computing
+    processes on 2 cores give 2 ms a call; charged by the engine to the pair's 4 calls
+    beside those processes, that gives back both waits. Points off a line give the least
+    squares; a pair faster than its share gives no wait, not a negative one."""
+    import simpy
+
+    from scaleout.sim.engine import Link, Machine
+    from scaleout.sim.measure_lockstep import CALLS_PER_PAIR, hop_wait
+
+    wait = hop_wait([4e-3, 8e-3], [1, 2], 2)
+    assert wait == pytest.approx(2e-3)
+    for computing, waited in ((1, 4e-3), (2, 8e-3)):
+        env = simpy.Environment()
+        machine = Machine(env, 0, 2, Link(1e9))
+        for _ in range(computing):
+            machine.cores.start(10.0, contended=True)
+
+        def pair(machine=machine, hop=wait):
+            for _ in range(CALLS_PER_PAIR):
+                yield from machine.call(1e-3, 1e-3, hop)
+
+        env.run(until=env.process(pair()))
+        shared = CALLS_PER_PAIR * 1e-3 / min(1.0, 2 / (computing + 1))
+        assert env.now - shared == pytest.approx(waited)
+    # 2 * 4 + 4 * 10 over 2^2 + 4^2
+    assert hop_wait([4e-3, 10e-3], [1, 2], 2) == pytest.approx(48e-3 / 20)
+    assert hop_wait([-1e-3, -2e-3], [1, 2], 2) == 0.0
 
 
 def test_a_disturbed_round_does_not_set_a_calls_price():

@@ -409,37 +409,37 @@ def test_a_replicas_first_calls_after_compute_pay_their_wake_up():
     assert after.extra(1e-3, 4 * NUM_PARAMETERS) == pytest.approx(5e-4)
 
 
-def test_a_replicas_calls_wait_longer_while_the_other_cores_compute():
-    """`loaded_s` (3 ms, measured with every other core computing): a replica's wake-up
-    after compute pays it in full while a process computes on each of the machine's other
-    cores, in proportion while fewer do, and not at all on an idle machine; a 1-replica
-    run (its shard computes nothing) is the closed form shifted by the wake-up alone."""
+def test_a_replicas_calls_wait_for_cores_on_a_busy_machine():
+    """`hop_wait_s` (2 ms, a call's wait when every core is busy): a call waits it times
+    the busy fraction of its machine's cores as it starts (k computing processes on 2
+    cores: k / 2, at most 1), then takes its processor share; two replicas on two cores,
+    each calling beside the other's compute, run longer for it."""
     cfg = config(steps=20)
-    plain = calibration(cfg, cores=3)
+    plain = calibration(cfg, cores=2)
     after = LockstepCost(
         measured_bytes=[1_000, 10_000_000],
         gaps_s=[0.002, 0.02],
-        extra_s=[[1e-3, 1e-3], [1e-3, 1e-3]],
-        extra_core_s=[[1e-3, 1e-3], [1e-3, 1e-3]],  # one core's worth
-        loaded_s=[3e-3, 3e-3],
+        extra_s=[[0.0, 0.0], [0.0, 0.0]],
+        hop_wait_s=[2e-3, 2e-3],
     )
-    woken = plain.model_copy(update={"lockstep": {"shard_calls": after}})
-    for computing, waits in ((0, 0.0), (1, 1.5e-3), (2, 3e-3), (3, 3e-3)):
-        sim = DownpourSim(cfg, Setting(woken, machines=1))
-        replica, machine = sim.replicas[0], sim.cluster.machines[0]
-        for _ in range(computing):  # other processes computing for longer than the wake-up
+    waiting = plain.model_copy(update={"lockstep": {"shard_calls": after}})
+    nbytes = 4 * NUM_PARAMETERS
+    (wall, _), _ = plain.pull.sides(nbytes)
+    for computing in (0, 1, 2, 3):
+        sim = DownpourSim(cfg, Setting(waiting, machines=1))
+        machine = sim.cluster.machines[0]
+        for _ in range(computing):  # processes computing for longer than the call
             machine.cores.start(1.0, contended=True)
-        replica.computed_s = 0.01
-        sim.env.run(until=sim.env.process(sim._wake(replica)))
-        # the wake-up's own 1 ms on one core takes its share of 3 beside those computing
-        share = min(1.0, 3 / (computing + 1))
-        assert sim.env.now == pytest.approx(1e-3 / share + waits, rel=1e-9)
-    before = DownpourSim(cfg, Setting(plain, machines=1)).run().run_s
-    later = DownpourSim(cfg, Setting(woken, machines=1)).run().run_s
-    assert later - before == pytest.approx(20 * 1e-3, rel=1e-9)
-    with pytest.raises(ValueError, match="loaded_s"):
+        sim.env.run(until=sim.env.process(sim._call(0, plain.pull, nbytes, caller=True)))
+        share = min(1.0, 2 / (computing + 1))  # the call's one core beside them
+        assert sim.env.now == pytest.approx(2e-3 * min(computing / 2, 1) + wall / share)
+    two = config(num_replicas=2, steps=20)  # each one's calls beside the other's compute
+    before = DownpourSim(two, Setting(calibration(two, cores=2), machines=1)).run().run_s
+    busy = calibration(two, cores=2).model_copy(update={"lockstep": {"shard_calls": after}})
+    assert DownpourSim(two, Setting(busy, machines=1)).run().run_s > before
+    with pytest.raises(ValueError, match="hop_wait_s"):
         LockstepCost(
-            measured_bytes=[1], gaps_s=[1e-3, 1e-2], extra_s=[[0.0, 0.0]], loaded_s=[1.0, 2.0]
+            measured_bytes=[1], gaps_s=[1e-3, 1e-2], extra_s=[[0.0, 0.0]], hop_wait_s=[1.0, 2.0]
         )
 
 

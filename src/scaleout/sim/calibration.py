@@ -199,16 +199,17 @@ class LockstepCost(_Model):
     after its compute (`measure_shard_calls_after_compute`: Ray's threads in the caller,
     the raylet and the shard wake up, their caches cold), with the core-seconds that adds.
     `extra_s[i][j]` (and `extra_core_s[i][j]`): at `measured_bytes[i]` after `gaps_s[j]`
-    seconds of compute. `loaded_s[i]`: what that pair takes longer still at
-    `measured_bytes[i]` while every other core of the machine computes, beyond the share
-    of the cores processor sharing gives it (each of its hops between processes waits for
-    a core to be handed over)."""
+    seconds of compute. `hop_wait_s[i]`: what one call of such a pair at
+    `measured_bytes[i]` (a pull's or a push's side) waits, beyond the share of the cores
+    processor sharing gives it, when other work keeps every core of its machine busy: each
+    of its hops between processes (caller, raylet, shard) waits for a core to be handed
+    over. A call waits that much times the busy fraction of the cores (`Machine.call`)."""
 
     measured_bytes: list[PositiveInt]
     gaps_s: list[PositiveFloat]
     extra_s: list[list[float]]
     extra_core_s: list[list[float]] = []  # empty: waiting only, no cores (a collective)
-    loaded_s: list[float] = []  # empty: not measured (a collective, a hardware file)
+    hop_wait_s: list[float] = []  # empty: not measured (a collective, a hardware file)
     _lines: list[tuple[float, float]] = PrivateAttr(default_factory=list)
     _core_lines: list[tuple[float, float]] = PrivateAttr(default_factory=list)
 
@@ -224,10 +225,10 @@ class LockstepCost(_Model):
                 len(row) != len(self.gaps_s) for row in table
             ):
                 raise ValueError(f"{name} needs one row per measured_bytes, one value per gap")
-        if self.loaded_s and len(self.loaded_s) != len(self.measured_bytes):
-            raise ValueError("loaded_s needs one value per measured_bytes (or none)")
-        if any(value < 0 for value in self.loaded_s):
-            raise ValueError("loaded_s must be >= 0 seconds")
+        if self.hop_wait_s and len(self.hop_wait_s) != len(self.measured_bytes):
+            raise ValueError("hop_wait_s needs one value per measured_bytes (or none)")
+        if any(value < 0 for value in self.hop_wait_s):
+            raise ValueError("hop_wait_s must be >= 0 seconds")
         if len(set(self.gaps_s)) < 2:
             raise ValueError("gaps_s needs two distinct gaps at least (a line is fitted)")
         # per measured size, the least-squares (slope, intercept) through its gaps
@@ -247,12 +248,12 @@ class LockstepCost(_Model):
         """The core-seconds those extra seconds keep busy (as `extra`; 0 when not measured)."""
         return self._at(self._core_lines, gap_s, nbytes) if self._core_lines else 0.0
 
-    def loaded(self, nbytes: float) -> float:
-        """`loaded_s` at `nbytes` (between sizes in log(bytes), constant beyond them; 0 when
-        not measured)."""
-        if not self.loaded_s:
+    def hop_wait(self, nbytes: float) -> float:
+        """`hop_wait_s` at `nbytes` (between sizes in log(bytes), constant beyond them; 0
+        when not measured)."""
+        if not self.hop_wait_s:
             return 0.0
-        return interpolate(self.measured_bytes, self.loaded_s, max(nbytes, 1.0))
+        return interpolate(self.measured_bytes, self.hop_wait_s, max(nbytes, 1.0))
 
     def _at(self, lines: list[tuple[float, float]], gap_s: float, nbytes: float) -> float:
         if gap_s <= 0:

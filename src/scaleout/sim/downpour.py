@@ -41,7 +41,9 @@ queue on the shard's); across machines, what Ray's moving the object between the
 stores costs beyond the link (`pull_across` / `push_across`, measured between testnet
 hosts), on the receiving machine during the transfer; codec and optimizer costs per
 value; the model's step at its threads, slowed when several replicas compute on one
-machine, and while calls run beside it on its machine, as calibrated.
+machine, and while calls run beside it on its machine, as calibrated; and each call's wait
+for its hops to be handed a core, in proportion to how busy its machine's cores are as it
+starts (`LockstepCost.hop_wait_s`).
 
 Placement: `--machines 1` puts every replica and shard on one machine, as `scaleout train`
 does here. On N > 1 machines each machine runs one replica (`run.num_threads` threads),
@@ -168,7 +170,7 @@ class DownpourSim(ShardCalls, ReplicaThreads):
         turn = self.driver.request()
         yield turn
         started = self.env.now
-        yield from self.cluster.machines[0].call(wall, cpu)
+        yield from self.cluster.machines[0].call(wall, cpu, self._hop_wait(0))
         own = self.env.now - started
         self.driver_busy += own * self.scale  # it serves the represented replicas too
         self._release(self.driver, turn, own)
@@ -209,29 +211,22 @@ class DownpourSim(ShardCalls, ReplicaThreads):
                 threads = replica.threads
             replica.steady_steps += 1
         _, (wall, cpu) = self.cal.pull.sides(0)  # the answer: a call's callee side, no payload
-        yield from machine.call(wall, cpu)
+        yield from machine.call(wall, cpu, self._hop_wait(0))
         yield from self._driver_turn()
 
     def _wake(self, replica: Replica) -> Process:
         """The first calls of a replica's compute thread after it computed: Ray's threads
         (in the replica, the raylet, the shards) wake up, their caches cold. Priced once
         per run of compute, on the replica's machine, as measured for a pull and a push
-        after that much compute (`Calibration.lockstep["shard_calls"]`); and while other
-        processes compute on the machine's other cores, the wait of the calls' hops for a
-        core beyond their share of them (`loaded`, measured with every other core
-        computing), in proportion to how many of those cores compute now."""
+        after that much compute (`Calibration.lockstep["shard_calls"]`). (The calls' wait
+        for cores on a busy machine is each call's own: `ShardCalls._hop_wait`.)"""
         after = self.cal.lockstep.get("shard_calls")
         computed, replica.computed_s = replica.computed_s, 0.0
         if after is None or computed <= 0:
             return
         nbytes = max(self.pull_bytes)
-        machine = self.cluster.machines[replica.machine]
-        others = max(machine.cores.capacity - 1.0, 1.0)
-        computing = min(machine.cores.contended_demand() / others, 1.0)
         wall, cores = after.extra(computed, nbytes), after.extra_core(computed, nbytes)
-        yield from machine.call(wall, cores)
-        if (waiting := computing * after.loaded(nbytes)) > 0:
-            yield self.env.timeout(waiting)
+        yield from self.cluster.machines[replica.machine].call(wall, cores)
 
     def _look(self, replica: Replica) -> Process:
         """A fetch for an evaluation or a checkpoint (`fetch(update_versions=False)`): not a

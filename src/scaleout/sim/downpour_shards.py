@@ -91,9 +91,17 @@ class ShardCalls:
         self, machine: int, cost: MessageCost, nbytes: int, caller: bool, times: float = 1.0
     ) -> Process:
         """The caller's or the callee's side of one call (its share of the wall time and of
-        the cores it keeps busy), or of `times` such calls one after another."""
+        the cores it keeps busy, and its hops' wait for the cores on a busy machine), or of
+        `times` such calls one after another."""
         wall, cpu = cost.sides(nbytes)[0 if caller else 1]
-        yield from self.cluster.machines[machine].call(times * wall, times * cpu)
+        hop_wait = times * self._hop_wait(nbytes)
+        yield from self.cluster.machines[machine].call(times * wall, times * cpu, hop_wait)
+
+    def _hop_wait(self, nbytes: int) -> float:
+        """What one call of `nbytes` waits for cores on a machine whose cores are all busy
+        (`LockstepCost.hop_wait_s`, measured for a replica's pull and push; 0 without)."""
+        after = self.cal.lockstep.get("shard_calls")
+        return after.hop_wait(nbytes) if after is not None else 0.0
 
     def _cross(
         self,

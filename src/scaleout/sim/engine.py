@@ -110,6 +110,10 @@ class Shared:
         """Units the contended jobs (a model's compute) running now ask for."""
         return self._demand[1] if self._heaps[1] else 0.0
 
+    def busy_fraction(self) -> float:
+        """The share of the capacity the jobs running now ask for, at most 1."""
+        return min(sum(self._demand) / self.capacity, 1.0)
+
     def mark(self) -> None:
         """Measure `utilisation` from now on (the steady part of a run)."""
         self._advance()
@@ -231,11 +235,16 @@ class Machine:
         """One thread's `seconds` of other work (copies, codecs, an optimizer's update)."""
         yield from self.cores.run(seconds, 1.0)
 
-    def call(self, seconds: float, cpu_seconds: float) -> Process:
+    def call(self, seconds: float, cpu_seconds: float, hop_wait: float = 0.0) -> Process:
         """A call between processes that takes `seconds` on a quiet machine and keeps
         `cpu_seconds` of cores busy meanwhile (several threads and processes at once). The
-        models computing on the machine lose `cores.call_wait` to its threads waking up."""
+        models computing on the machine lose `cores.call_wait` to its threads waking up.
+        `hop_wait`: what the call's hops between processes wait for a core to be handed
+        over when other work keeps every core busy; it waits that times the busy fraction
+        of the cores as it starts (`LockstepCost.hop_wait_s`), before its share of them."""
         self.cores.preempt(self.cores.call_wait)
+        if (waiting := hop_wait * self.cores.busy_fraction()) > EPS:
+            yield self.env.timeout(waiting)
         if seconds > EPS:
             # more parallel than the machine's cores: as long as they take for its CPU
             units = min(cpu_seconds / seconds, self.cores.capacity)

@@ -26,14 +26,18 @@ compute's own CPU taken out) less the same pair back to back. Measured here at 0
 +1.2 to +1.9 ms and +1.4 to +2.3 core-ms a pair after 5-10 ms of compute (back to back
 4.1 ms and 5.6 core-ms); at 3.7 MB about +1.3 ms.
 
-While the machine's other cores compute (the other replicas of a run on one box), the pair
-takes longer still, and more than its share of the cores explains: its hops between
-processes (caller, raylet, shard) each wait for a core to be handed over. The same pair
-after `SHARD_CALL_LOADED_GAP_S` of compute, with a computing process on every other core
-(`OtherCores`), less what processor sharing gives it (`shared_wall`: its measured cores
-beside those processes, as `Machine.call` prices it) is `LockstepCost.loaded_s`. Measured
-here at 3.7 MB: 10 ms after 8 ms of compute, 13-16 ms with the other core computing,
-where sharing explains 11 ms. All the pairs take turns over rounds (`measure_calls`).
+While other processes compute on the machine, the pair takes longer still, and more than
+its share of the cores explains: its hops between processes (caller, raylet, shard) each
+wait for a core to be handed over. The same pair after `SHARD_CALL_LOADED_GAP_S` of
+compute, with k computing processes beside it (`OtherCores`: k = cores - 1 and k = cores),
+less what processor sharing gives it (`shared_wall`: its measured cores beside those
+processes, as `Machine.call` prices it), is what its `CALLS_PER_PAIR` calls waited, each
+`hop_wait * k / cores` as the simulation charges it (k / cores: the busy fraction of the
+cores as the call starts); `LockstepCost.hop_wait_s` is the least-squares `hop_wait`
+through both points. Measured here at 3.7 MB (Adagrad's update): the pair 10 ms after 8 ms
+of compute, 15 ms beside one computing process and 25 ms beside two, where sharing explains
+11 and 16 ms: about 2 ms a call on a busy box. All the pairs take turns over rounds
+(`measure_calls`).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ LOCKSTEP_SIZES = (1_000, 300_000)  # values all-reduced (4 KB, 1.2 MB)
 LOCKSTEP_GAPS_S = (1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3)
 SHARD_CALL_GAPS_S = (2e-3, 8e-3, 32e-3)  # a small model's step to a big one's window
 SHARD_CALL_LOADED_GAP_S = 8e-3  # the loaded pair's compute before it
+CALLS_PER_PAIR = 4  # the simulation's calls in a pull and a push: each one's two sides
 SHARD_CALL_SAMPLE_S = 1.0  # at least, per (size, gap): the CPU counters tick at 100 Hz
 SAMPLE_S = 1.0  # at least, per (size, gap), over all rounds: a mean holds rare long stalls
 ROUNDS = 4  # every point sampled in each round: the box drifts within seconds
@@ -158,13 +163,22 @@ def shared_wall(call: CallCost, computing: int, cores: int) -> float:
     return call.wall_s * max(1.0, (computing + units) / cores)
 
 
+def hop_wait(walls: Sequence[float], computing: Sequence[int], cores: int) -> float:
+    """The wait per call at a busy fraction of 1 with which `CALLS_PER_PAIR` calls, each
+    waiting `hop_wait * k / cores`, add up to the pair's `walls` beyond processor sharing
+    beside `computing` (k) processes: least squares through the origin, at least 0."""
+    busy = [CALLS_PER_PAIR * min(k / cores, 1.0) for k in computing]
+    fit = sum(b * w for b, w in zip(busy, walls, strict=True)) / sum(b * b for b in busy)
+    return max(fit, 0.0)
+
+
 def measure_shard_calls_after_compute(
     sizes: Sequence[int], gaps_s: Sequence[float] = SHARD_CALL_GAPS_S
 ) -> LockstepCost:
     """A replica's pull + push of `sizes` values (float32) through a real one-shard server
     after `gaps_s` of compute, beyond the same pair back to back: extra seconds and extra
-    core-seconds; and the pair's extra seconds with every other core computing, beyond its
-    share of the cores (see the module docstring). Needs Ray up (a session)."""
+    core-seconds; and what each of its calls waits for cores on a busy machine (see the
+    module docstring). Needs Ray up (a session)."""
     from scaleout.ps import ParameterServer
     from scaleout.train.config import TrainSection
 
@@ -173,7 +187,8 @@ def measure_shard_calls_after_compute(
     filler = Filler()
     cores = os.cpu_count() or 1
     gaps = (*gaps_s, SHARD_CALL_LOADED_GAP_S)  # the loaded gap once
-    others = OtherCores(cores - 1) if cores > 1 else None
+    others = OtherCores(cores) if cores > 1 else None
+    computing = (cores - 1, cores)  # processes beside the loaded pairs
     servers: list[ParameterServer] = []
     try:
         calls: list[Timed] = []
@@ -188,7 +203,9 @@ def measure_shard_calls_after_compute(
             calls += [Timed(pair, functools.partial(filler.run, gap)) for gap in gaps]
             if others is not None:
                 gap = functools.partial(filler.run, SHARD_CALL_LOADED_GAP_S)
-                calls.append(Timed(pair, gap, others.computing))
+                calls += [
+                    Timed(pair, gap, functools.partial(others.computing, k)) for k in computing
+                ]
         idle = measure_idle(1.0)
         costs = measure_calls(calls, idle, SHARD_CALL_SAMPLE_S, warmup=0)
     finally:
@@ -197,7 +214,7 @@ def measure_shard_calls_after_compute(
         if others is not None:
             others.close()
         torch.set_num_threads(threads)
-    extra, extra_core, loaded = [], [], []
+    extra, extra_core, waits = [], [], []
     per_size = len(calls) // len(sizes)  # the pair alone, after each gap, loaded
     for first in range(0, len(calls), per_size):
         alone, *after = costs[first : first + per_size]
@@ -205,13 +222,17 @@ def measure_shard_calls_after_compute(
         extra.append([max(a.wall_s - alone.wall_s, 0.0) for a in after[: len(gaps_s)]])
         extra_core.append([max((a.cpu_s or 0.0) - cores_used, 0.0) for a in after[: len(gaps_s)]])
         if others is not None:
-            shared = shared_wall(after[len(gaps_s)], cores - 1, cores)
-            loaded.append(max(after[-1].wall_s - shared, 0.0))
+            unloaded, loaded = after[len(gaps_s)], after[len(gaps) :]
+            beyond = [
+                c.wall_s - shared_wall(unloaded, k, cores)
+                for c, k in zip(loaded, computing, strict=True)
+            ]
+            waits.append(hop_wait(beyond, computing, cores))
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     return LockstepCost(
         measured_bytes=[4 * sizes[i] for i in order],
         gaps_s=list(gaps_s),
         extra_s=[extra[i] for i in order],
         extra_core_s=[extra_core[i] for i in order],
-        loaded_s=[loaded[i] for i in order] if loaded else [],
+        hop_wait_s=[waits[i] for i in order] if waits else [],
     )

@@ -99,11 +99,12 @@ class OtherCores:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self._go, self._stop = ctx.Event(), ctx.Event()
+        self._stop = ctx.Event()
+        self._go = [ctx.Event() for _ in range(count)]  # one per process
         ready = [ctx.Event() for _ in range(count)]
         self._procs = [
-            ctx.Process(target=_compute_while, args=(self._go, self._stop, r), daemon=True)
-            for r in ready
+            ctx.Process(target=_compute_while, args=(go, self._stop, r), daemon=True)
+            for go, r in zip(self._go, ready, strict=True)
         ]
         for proc in self._procs:
             proc.start()
@@ -112,17 +113,24 @@ class OtherCores:
             raise TimeoutError(f"computing processes did not start in {START_AND_STEP_S} s")
 
     @contextlib.contextmanager
-    def computing(self) -> Iterator[None]:
-        self._go.set()
+    def computing(self, count: int | None = None) -> Iterator[None]:
+        """The first `count` of the processes (all by default) compute inside the block."""
+        if count is not None and not 0 <= count <= len(self._go):
+            raise ValueError(f"count must be in [0, {len(self._go)}], got {count}")
+        chosen = self._go[:count]
+        for go in chosen:
+            go.set()
         time.sleep(0.2)  # each is computing before the block measures
         try:
             yield
         finally:
-            self._go.clear()
+            for go in chosen:
+                go.clear()
 
     def close(self) -> None:
         self._stop.set()
-        self._go.set()
+        for go in self._go:
+            go.set()
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():
