@@ -236,12 +236,15 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
         measured_bytes=[1, 10**9], gaps_s=[1e-3, 1e-2], extra_s=[[1e-3] * 2] * 2
     )
     shard_calls.extra_core_s = [[2e-3] * 2] * 2
+    shard_calls.hop_wait_s = [1.5e-3, 1.5e-3]
     shard_calls = LockstepCost.model_validate(shard_calls.model_dump())
     woken = cal.model_copy(update={"lockstep": {**cal.lockstep, "shard_calls": shard_calls}})
     config = load_config(_configs_dir() / case.config, _overrides(case, tmp_path))
     note = _costs(woken.save(tmp_path / "woken.json"), config)
     assert "beside calls 1.000x and 0.00 ms a call" in note
-    assert note.endswith(", +1.00 ms / 2.00 core-ms a pair after 5 ms of compute")
+    assert note.endswith(
+        ", +1.00 ms / 2.00 core-ms a pair after 5 ms of compute, 1.50 ms a call on busy cores"
+    )
     case = by_name["sync 2 workers"]
     note = _costs(path, load_config(_configs_dir() / case.config, _overrides(case, tmp_path)))
     assert cal.allreduce is not None

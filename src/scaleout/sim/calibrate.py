@@ -21,7 +21,8 @@ box drifts; calls by their mean, as a run pays the slow ones too):
 - per Downpour config's model, the CPU its 1-thread step takes more while another process
   makes calls to a shard (`measure_beside`: their copies share the caches); and what a
   replica's pull + push costs after its compute beyond back to back
-  (`measure_shard_calls_after_compute`: Ray's threads wake up);
+  (`measure_shard_calls_after_compute`: Ray's threads wake up), and what each of its
+  calls waits for a core beside one and two computing processes (`hop_wait_s`);
 - sync's weight averaging (`average_tensors`) between two processes by size;
 - a checkpoint write per byte, and the local part of sync's weight averaging per byte
   (one process alone, for calibrations without the two-process measurement).
