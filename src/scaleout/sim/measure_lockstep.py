@@ -34,9 +34,10 @@ less what processor sharing gives it (`shared_wall`: its measured cores beside t
 processes, as `Machine.call` prices it), is what its `CALLS_PER_PAIR` calls waited, each
 `hop_wait * k / cores` as the simulation charges it (k / cores: the busy fraction of the
 cores as the call starts); `LockstepCost.hop_wait_s` is the least-squares `hop_wait`
-through both points. Measured here at 3.7 MB (Adagrad's update): the pair 10 ms after 8 ms
-of compute, 15 ms beside one computing process and 25 ms beside two, where sharing explains
-11 and 16 ms: about 2 ms a call on a busy box. All the pairs take turns over rounds
+through both points. Measured here at 3.7 MB through a shard with Adagrad's update: the
+pair 10 ms after 8 ms of compute, 15 ms beside one computing process and 25 ms beside two,
+where sharing explains 11 and 16 ms: about 2 ms a call on a busy box (the calibration's
+SGD shard: 1.7-2.1 ms a call in five calibrations). All the pairs take turns over rounds
 (`measure_calls`).
 """
 
