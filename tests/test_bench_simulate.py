@@ -1,5 +1,7 @@
 """The `simulate` suite's held-out cases stay valid configs the simulator can run."""
 
+import os
+
 import pytest
 
 from scaleout.api import load_config
@@ -119,7 +121,10 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
         "measure_shard_messages": lambda apply_ns, sizes: (fresh["d"], fresh["e"], 0.5),
         "measure_collect": lambda: (2e-4, 5e-5),
         "measure_zero": lambda: 3e10,
-        "measure_beside_calls": lambda config, numel: BesideCalls(1.0 + numel * 1e-8, 2.5, 1.0),
+        # the step 2.5x as long beside the calls with a core idle, 3x with every core busy
+        "measure_beside_calls": lambda config, numel, other_cores=0: BesideCalls(
+            1.0 + numel * 1e-8, 3.0 if other_cores else 2.5, 1.0
+        ),
         "measure_shard_calls_after_compute": lambda sizes: fresh["f"],
     }
     threads_seen = {}
@@ -150,7 +155,7 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
             "measure_shard_messages",
             "measure_collect",
             "measure_zero",
-            "measure_beside_calls",
+            *["measure_beside_calls"] * (2 if (os.cpu_count() or 1) >= 2 else 1),
             "measure_shard_calls_after_compute",
         ]
     )
@@ -169,6 +174,12 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     # a step 2.5x as long beside the calls as alone needs a wait per call beyond sharing
     (wait,) = {m.call_wait_s for k, m in downpour.models.items() if k.startswith("mnist")}
     assert wait > 0
+    # measured again with the other cores computing (on a box of 2 or more), its own wait
+    (busy,) = {m.call_wait_busy_s for k, m in downpour.models.items() if k.startswith("mnist")}
+    if (os.cpu_count() or 1) >= 2:
+        assert measured.count("measure_beside_calls") == 2 and busy is not None and busy > 0
+    else:
+        assert measured.count("measure_beside_calls") == 1 and busy is None
     assert downpour.lockstep["shard_calls"] == fresh["f"]
     assert downpour.lockstep["allreduce"] == start.lockstep["allreduce"]  # kept
 
@@ -241,7 +252,12 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     woken = cal.model_copy(update={"lockstep": {**cal.lockstep, "shard_calls": shard_calls}})
     config = load_config(_configs_dir() / case.config, _overrides(case, tmp_path))
     note = _costs(woken.save(tmp_path / "woken.json"), config)
-    assert "beside calls 1.000x and 0.00 ms a call" in note
+    assert "beside calls 1.000x and 0.00 ms a call," in note
+    key = model_key(config)  # its step's loss to a call measured with every core computing
+    busy = woken.models[key].model_copy(update={"call_wait_s": 2e-4, "call_wait_busy_s": 1e-3})
+    busy_cal = woken.model_copy(update={"models": {**woken.models, key: busy}})
+    busy_note = _costs(busy_cal.save(tmp_path / "busy.json"), config)
+    assert "and 0.20 ms a call (1.00 ms with every core computing), +1.00 ms" in busy_note
     assert note.endswith(
         ", +1.00 ms / 2.00 core-ms a pair after 5 ms of compute, 1.50 ms a call on busy cores"
     )
@@ -317,6 +333,10 @@ def test_a_step_beside_a_shards_calls_is_measured_against_the_step_alone(ray_ses
     beside = measure_beside_calls(config, 25_000)
     assert 1.0 <= beside.cpu_ratio < 1.5
     assert 0.8 < beside.wall_ratio < 3.0 and beside.pairs_per_step > 0
+    # with another process computing throughout: against the step beside it alone
+    busy = measure_beside_calls(config, 25_000, other_cores=1)
+    assert 1.0 <= busy.cpu_ratio < 1.5
+    assert 0.8 < busy.wall_ratio < 4.0 and busy.pairs_per_step > 0
 
 
 def test_a_calls_measurement_leaves_out_the_compute_before_each_call():

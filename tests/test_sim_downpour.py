@@ -99,6 +99,74 @@ def test_a_call_preempts_the_computing_jobs_by_the_calibrated_wait():
     assert cluster.env.now == pytest.approx(0.5)
 
 
+def test_a_calls_loss_to_the_computing_jobs_follows_how_many_compute():
+    """`call_wait` 0.2 s with one job computing on two cores, `call_wait_busy` 1.0 s with
+    both computing: a call at 1 s delays a lone 2 s job to 2.2 s, and each of two such jobs
+    by half of 1.0 s (2.5 s); 1.5 threads' demand takes the wait halfway between (0.6 s);
+    without `call_wait_busy` the one wait holds whatever computes."""
+    for jobs, threads, busy, expected in (
+        (1, 1.0, 1.0, 2.2),
+        (2, 1.0, 1.0, 2.5),
+        (1, 1.5, 1.0, 2.6),
+        (2, 1.0, None, 2.1),
+    ):
+        cluster = Cluster(1, cores=2, link=Link(1e9))
+        env, machine = cluster.env, cluster.machines[0]
+        machine.cores.call_wait, machine.cores.call_wait_busy = 0.2, busy
+        ends = []
+
+        def compute(machine=machine, env=env, ends=ends, threads=threads):
+            yield from machine.compute(2.0, threads)  # 2 s with its threads
+            ends.append(env.now)
+
+        def later_call(machine=machine, env=env):
+            yield env.timeout(1.0)
+            yield from machine.call(0.0, 0.0)
+
+        for _ in range(jobs):
+            env.process(compute())
+        env.process(later_call())
+        env.run()
+        assert ends == pytest.approx([expected] * jobs), (jobs, threads, busy)
+
+
+def test_the_wait_per_call_on_busy_cores_is_what_the_measured_step_needs():
+    """`call_wait_busy_s` inverts the engine with another job computing throughout: with
+    the wait it finds, the step beside the pairs is the measured multiple of the step
+    beside that job alone (as the engine prices both); a wait that sharing the cores
+    explains is 0; on one core there is no other core to measure: the idle-core wait."""
+    from scaleout.sim.measure_beside import (
+        BesideCalls,
+        _simulated_step,
+        call_wait_busy_s,
+        paced_pairs,
+    )
+
+    pull = MessageCost(fixed_s=1e-3, bytes_per_s=2e9, cpu_fixed_s=1.5e-3, cpu_bytes_per_s=1e9)
+    push = MessageCost(fixed_s=1e-3, bytes_per_s=3e9)
+    nbytes, apply_s, step_s, wait = 4_000_000, 1.5e-3, 0.013, 2e-4
+    slowdown = lambda k: 1.0 + 0.05 * (k - 1)  # noqa: E731
+    args = (pull, push, apply_s, nbytes, 2, 0.0)
+    without = _simulated_step(step_s, None, 0.0, None, 2, 0.0, 1, slowdown=slowdown)
+    assert without == pytest.approx(step_s * 1.05)  # the two jobs' slow-down, no calls
+
+    def step(beside, busy_wait):
+        pair = paced_pairs(pull, push, apply_s, nbytes, without * beside.wall_ratio)
+        return _simulated_step(
+            step_s, beside, wait, pair, 2, 0.0, 1, busy_wait=busy_wait, slowdown=slowdown
+        )
+
+    measured = BesideCalls(cpu_ratio=1.05, wall_ratio=1.6, pairs_per_step=1.0)
+    found = call_wait_busy_s(step_s, measured, wait, *args, slowdown=slowdown)
+    assert wait < found < step_s
+    assert step(measured, found) == pytest.approx(1.6 * without, rel=1e-3)
+    assert step(measured, 1.1 * found) > 1.6 * without
+    shared = BesideCalls(cpu_ratio=1.0, wall_ratio=1.0, pairs_per_step=1.0)
+    assert call_wait_busy_s(step_s, shared, wait, *args, slowdown=slowdown) == 0.0
+    one_core = (pull, push, apply_s, nbytes, 1, 0.0)
+    assert call_wait_busy_s(step_s, measured, wait, *one_core) == wait
+
+
 def test_the_wait_per_call_is_what_the_measured_step_needs():
     """`call_wait_s` inverts the engine: with the wait it finds, the engine's step beside
     the measurement's pairs (paced to the measured rate) is the measured one; a step no

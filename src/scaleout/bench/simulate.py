@@ -202,8 +202,9 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
     slice's pull and push; the whole model's all-reduce or averaging; a 1 MB exchange);
     for sync and model parallel, what that collective costs more after 5 ms of compute
     (`Calibration.lockstep`: noisy here, and a model-parallel step makes ten of them), for
-    Downpour what a pull and a push cost more then, its step's slow-down beside calls, and
-    what a call waits for cores when they are all busy."""
+    Downpour what a pull and a push cost more then, its step's slow-down beside calls and
+    what the step loses to each call (with a core idle, and with every core computing),
+    and what a call waits for cores when they are all busy."""
     from scaleout.sim.measure_calls import shard_slices
     from scaleout.sim.measuring import model_key
 
@@ -234,6 +235,8 @@ def _costs(path: Path, config: Any) -> str:  # noqa: ANN401 - a RunConfig
             extra += f" / {after.extra_core(LOCKSTEP_GAP_S, nbytes) * 1e3:.2f} core-ms a pair"
             note += f", beside calls {model.beside_calls:.3f}x"
             note += f" and {model.call_wait_s * 1e3:.2f} ms a call"
+            if model.call_wait_busy_s is not None:
+                note += f" ({model.call_wait_busy_s * 1e3:.2f} ms with every core computing)"
         note += f", {extra} after {LOCKSTEP_GAP_S * 1e3:g} ms of compute"
         if after.hop_wait_s:  # a call's wait for cores when every core is busy
             note += f", {after.hop_wait(nbytes) * 1e3:.2f} ms a call on busy cores"

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from scaleout.sim.calibration import Calibration, CodecCost, MessageCost, ModelCost
-from scaleout.sim.measure_beside import call_wait_s, measure_beside_calls
+from scaleout.sim.measure_beside import call_wait_busy_s, call_wait_s, measure_beside_calls
 from scaleout.sim.measure_calls import (
     allreduce_sizes,
     average_sizes,
@@ -196,9 +196,10 @@ def with_beside_calls(
     apply_ns: dict[str, float],
     idle_cores: float,
 ) -> dict[str, ModelCost]:
-    """`models` with `ModelCost.beside_calls` and `call_wait_s` measured for each model a
-    Downpour config trains, beside calls of its largest shard slice (Ray must be up), the
-    calls priced as measured just before (`pull`, `push`)."""
+    """`models` with `ModelCost.beside_calls`, `call_wait_s` and (on 2 cores or more)
+    `call_wait_busy_s` measured for each model a Downpour config trains, beside calls of
+    its largest shard slice (Ray must be up), the calls priced as measured just before
+    (`pull`, `push`)."""
     measured = dict(models)
     done = set()
     cores = os.cpu_count() or 1
@@ -212,9 +213,19 @@ def with_beside_calls(
         step_s = models[key].step_s(config.train.batch_size, 1)
         # the measurement's shard runs Adagrad (`measure_beside._calls`)
         apply_s = numel * apply_ns["adagrad"] * 1e-9
-        wait = call_wait_s(step_s, beside, pull, push, apply_s, 4 * numel, cores, idle_cores)
+        args = (pull, push, apply_s, 4 * numel, cores, idle_cores)
+        wait = call_wait_s(step_s, beside, *args)
+        busy_wait = None
+        if cores >= 2:  # the other cores computing too, as the other replicas do
+            busy = measure_beside_calls(config, numel, other_cores=cores - 1)
+            slowdown = models[key].slowdown
+            busy_wait = call_wait_busy_s(step_s, busy, wait, *args, slowdown=slowdown)
         measured[key] = models[key].model_copy(
-            update={"beside_calls": beside.cpu_ratio, "call_wait_s": wait}
+            update={
+                "beside_calls": beside.cpu_ratio,
+                "call_wait_s": wait,
+                "call_wait_busy_s": busy_wait,
+            }
         )
     return measured
 

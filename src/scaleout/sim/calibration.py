@@ -86,6 +86,10 @@ class ModelCost(_Model):
     # starts on its machine, beyond sharing the cores (`measure_beside.call_wait_s`: their
     # threads wake up on a computing thread's core); 0: not measured
     call_wait_s: float = Field(default=0.0, ge=0)
+    # the same with every core computing (`measure_beside.call_wait_busy_s`: the call's
+    # hops then take computing threads' cores, there is no idle one); None: not measured
+    # (one core, an older calibration), `call_wait_s` stands
+    call_wait_busy_s: float | None = Field(default=None, ge=0)
 
     def step_s(self, batch: int, threads: int) -> float:
         """Seconds of one training step of `batch` examples at `threads` threads."""

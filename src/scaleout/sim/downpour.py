@@ -123,6 +123,7 @@ class DownpourSim(ShardCalls, ReplicaThreads):
             machine.cores.slowdown = self.cost.slowdown
             machine.cores.beside_plain = self.cost.beside_calls
             machine.cores.call_wait = self.cost.call_wait_s
+            machine.cores.call_wait_busy = self.cost.call_wait_busy_s
         env = self.env = self.cluster.env
         self.shards = [
             Shard(i, shard_machines[i], stop - start, simpy.Resource(env, capacity=1))

@@ -43,7 +43,11 @@ class Shared:
     `call_wait` (seconds) is what the contended jobs lose together, in wall time, each time
     a call between processes starts on the machine (`Machine.call`): the call's threads wake
     up and the scheduler hands them a computing thread's core, even with another core idle
-    (calibrated for Downpour's calls: `ModelCost.call_wait_s`).
+    (calibrated for Downpour's calls: `ModelCost.call_wait_s`, one process computing).
+    `call_wait_busy` (seconds, or None: as `call_wait`) is that loss when computing jobs ask
+    for every unit: then each of the call's hops takes a computing thread's core, not an
+    idle one (`ModelCost.call_wait_busy_s`); in between the two, the loss follows the share
+    of the units the contended jobs ask for (`call_wait_now`).
 
     Every job of a class (contended or not) moves through its work at the same speed (its
     share of the units over its demand), so one virtual clock per class and a heap of the
@@ -71,6 +75,7 @@ class Shared:
         self.slowdown: Callable[[int], float] | None = None
         self.beside_plain = 1.0
         self.call_wait = 0.0
+        self.call_wait_busy: float | None = None
 
     def run(self, work: float, demand: float = 1.0, contended: bool = False) -> Process:
         """Do `work` seconds of work that can use up to `demand` units in parallel."""
@@ -105,6 +110,16 @@ class Shared:
         lost = seconds / len(heap) * self._speed[1]  # on the contended jobs' clock
         self._heaps[1] = [(end + lost, order, units, done) for end, order, units, done in heap]
         self._schedule()
+
+    def call_wait_now(self) -> float:
+        """What the contended jobs lose to a call starting now: `call_wait` (measured with
+        one 1-thread job computing) and `call_wait_busy` (with one on every unit) joined by
+        a line in the units the contended jobs ask for, at least 0."""
+        if self.call_wait_busy is None or self.capacity <= 1:
+            return self.call_wait
+        share = min(self.contended_demand(), self.capacity)
+        slope = (self.call_wait_busy - self.call_wait) / (self.capacity - 1)
+        return max(self.call_wait + slope * (share - 1), 0.0)
 
     def contended_demand(self) -> float:
         """Units the contended jobs (a model's compute) running now ask for."""
@@ -238,11 +253,12 @@ class Machine:
     def call(self, seconds: float, cpu_seconds: float, hop_wait: float = 0.0) -> Process:
         """A call between processes that takes `seconds` on a quiet machine and keeps
         `cpu_seconds` of cores busy meanwhile (several threads and processes at once). The
-        models computing on the machine lose `cores.call_wait` to its threads waking up.
+        models computing on the machine lose `cores.call_wait_now()` to its threads waking
+        up.
         `hop_wait`: what the call's hops between processes wait for a core to be handed
         over when other work keeps every core busy; it waits that times the busy fraction
         of the cores as it starts (`LockstepCost.hop_wait_s`), before its share of them."""
-        self.cores.preempt(self.cores.call_wait)
+        self.cores.preempt(self.cores.call_wait_now())
         if (waiting := hop_wait * self.cores.busy_fraction()) > EPS:
             yield self.env.timeout(waiting)
         if seconds > EPS:

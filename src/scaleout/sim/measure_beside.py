@@ -19,10 +19,21 @@ which the engine, running this measurement's schedule, gives the measured step: 
 here for the demo's 3.7 MB slices with the caller at one thread, as a replica runs (0.4-0.7
 ms with torch's two threads in the caller, whose copies then take the other core too).
 
+With every core computing the loss per call is larger: each hop of a call then takes a
+computing thread's core, none is idle. Measured with a second process computing beside the
+step on this 2-core box (the other replica of a 2 x 2 run), the step took 1.58-1.60x as
+long beside the calls as without them, where the engine, sharing the cores and charging the
+wait found with a core idle (0.16 ms), gives 1.43x; `call_wait_busy_s` finds the wait per
+call that gives the measured step there (about 1 ms). The engine charges a call the one or
+the other by how many units the computing jobs ask for (`Shared.call_wait_now`). A real
+2 x 2 run's replicas computed 1.15-1.24x as long a push window in the steady part as in
+the warm start (one replica): the engine gave 1.10x with the idle-core wait alone.
+
 `measure_beside_calls` steps the model in a spawned process (one thread, thread CPU and
 wall time per step) in rounds, alternately with this process idle and with it making
 back-to-back pull + push calls through a real one-shard `ParameterServer` (in a thread, so
-that the queue to the stepper stays served), counting the pairs; medians over rounds.
+that the queue to the stepper stays served), counting the pairs; medians over rounds. With
+`other_cores`, that many more processes compute throughout (`measuring.OtherCores`).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ import torch
 from scaleout.sim.calibration import MessageCost
 from scaleout.sim.engine import Cluster, Link, Process
 from scaleout.sim.measure_calls import shard_round_trip
-from scaleout.sim.measuring import START_AND_STEP_S
+from scaleout.sim.measuring import START_AND_STEP_S, OtherCores
 
 ROUNDS = 16  # of each condition, alternately: the box drifts within seconds
 STEPS = 12  # per round
@@ -101,9 +112,21 @@ def _calls(
         server.kill()
 
 
-def measure_beside_calls(config: Any, numel: int) -> BesideCalls:  # noqa: ANN401 - a RunConfig
+def measure_beside_calls(
+    config: Any,  # noqa: ANN401 - a RunConfig
+    numel: int,
+    other_cores: int = 0,
+) -> BesideCalls:
     """`config`'s 1-thread training step while another process makes calls to a shard of
-    `numel` values, against the same step alone. Needs Ray up (a session)."""
+    `numel` values, against the same step without them; `other_cores` processes compute
+    on one thread each throughout (both conditions). Needs Ray up (a session)."""
+    if other_cores <= 0:
+        return _beside_calls(config, numel)
+    with OtherCores(other_cores) as others, others.computing():
+        return _beside_calls(config, numel)
+
+
+def _beside_calls(config: Any, numel: int) -> BesideCalls:  # noqa: ANN401 - a RunConfig
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -148,22 +171,33 @@ def measure_beside_calls(config: Any, numel: int) -> BesideCalls:  # noqa: ANN40
 
 def _simulated_step(
     step_s: float,
-    beside: BesideCalls,
+    beside: BesideCalls | None,
     wait: float,
-    pair: Callable[[Any], Process],
+    pair: Callable[[Any], Process] | None,
     cores: float,
     idle_cores: float,
+    other_cores: int = 0,
+    busy_wait: float | None = None,
+    slowdown: Callable[[int], float] | None = None,
 ) -> float:
-    """Mean wall seconds of a `step_s` step in the engine beside one `pair` after another,
-    slowed by `beside.cpu_ratio` while they run and by `wait` per call."""
+    """Mean wall seconds of a `step_s` step in the engine beside one `pair` after another
+    (none: `pair` None), slowed by `beside.cpu_ratio` while they run and by `wait` per call
+    (`busy_wait` with every core computing); `other_cores` more jobs compute throughout,
+    the computing jobs slowed by `slowdown` as the engine slows them."""
     cluster = Cluster(1, cores, Link(bandwidth=1e9), idle_cores=idle_cores)
     env, machine = cluster.env, cluster.machines[0]
-    machine.cores.beside_plain, machine.cores.call_wait = beside.cpu_ratio, wait
+    machine.cores.call_wait, machine.cores.call_wait_busy = wait, busy_wait
+    machine.cores.beside_plain = beside.cpu_ratio if beside is not None else 1.0
+    machine.cores.slowdown = slowdown
     walls: list[float] = []
 
-    def calls() -> Process:
+    def calls(pair: Callable[[Any], Process]) -> Process:
         while True:
             yield from pair(machine)
+
+    def other() -> Process:
+        while True:
+            yield from machine.compute(1.0)
 
     def steps() -> Process:
         for _ in range(SIMULATED_STEPS):
@@ -171,7 +205,10 @@ def _simulated_step(
             yield from machine.compute(step_s)
             walls.append(env.now - began)
 
-    env.process(calls())
+    for _ in range(other_cores):
+        env.process(other())
+    if pair is not None:
+        env.process(calls(pair))
     cluster.run(until=env.process(steps()))
     return statistics.mean(walls[10:])
 
@@ -219,6 +256,46 @@ def call_wait_s(
     def simulated(wait: float) -> float:
         return _simulated_step(step_s, beside, wait, pair, cores, idle_cores)
 
+    return _bisect(simulated, target, step_s)
+
+
+def call_wait_busy_s(
+    step_s: float,
+    beside: BesideCalls,
+    wait: float,
+    pull: MessageCost,
+    push: MessageCost,
+    apply_s: float,
+    nbytes: int,
+    cores: float,
+    idle_cores: float = 0.0,
+    slowdown: Callable[[int], float] | None = None,
+) -> float:
+    """`call_wait_s` with every core computing: the wait per call (`Shared.call_wait_busy`,
+    `wait` the one found with a core idle) with which the engine, running the measurement
+    with `cores - 1` other processes computing (`measure_beside_calls(other_cores=...)`),
+    gives the step beside the calls `beside.wall_ratio` times the step beside those
+    processes alone, both as the engine prices them (`slowdown`: processes computing at
+    once). 0 where sharing the cores explains it."""
+    others = max(round(cores) - 1, 0)
+    if beside.pairs_per_step <= 0 or others == 0:
+        return wait
+    machine = (cores, idle_cores, others)
+    without = _simulated_step(step_s, None, 0.0, None, *machine, slowdown=slowdown)
+    target = without * beside.wall_ratio
+    pair = paced_pairs(pull, push, apply_s, nbytes, target / beside.pairs_per_step)
+
+    def simulated(busy_wait: float) -> float:
+        return _simulated_step(
+            step_s, beside, wait, pair, *machine, busy_wait=busy_wait, slowdown=slowdown
+        )
+
+    return _bisect(simulated, target, step_s)
+
+
+def _bisect(simulated: Callable[[float], float], target: float, step_s: float) -> float:
+    """The wait at which `simulated(wait)` (growing with it) reaches `target`; 0 where
+    no wait is needed. Waits beyond `step_s` are not searched."""
     if simulated(0.0) >= target:
         return 0.0
     low, high = 0.0, step_s / 16
