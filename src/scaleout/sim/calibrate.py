@@ -19,8 +19,9 @@ box drifts; calls by their mean, as a run pays the slow ones too):
 - what such a collective costs beyond that after the ranks computed for a while
   (`measure_lockstep`: waiting for the slower rank, gloo's threads waking up);
 - per Downpour config's model, the CPU its 1-thread step takes more while another process
-  makes calls to a shard (`measure_beside`: their copies share the caches); and what a
-  replica's pull + push costs after its compute beyond back to back
+  makes calls to a shard (`measure_beside`: their copies share the caches), and the wall
+  time it loses to each call with a core idle and with the other cores computing; and
+  what a replica's pull + push costs after its compute beyond back to back
   (`measure_shard_calls_after_compute`: Ray's threads wake up), and what each of its
   calls waits for a core beside one and two computing processes (`hop_wait_s`);
 - sync's weight averaging (`average_tensors`) between two processes by size;
