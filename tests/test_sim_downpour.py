@@ -67,28 +67,37 @@ def test_compute_beside_plain_work_is_slowed_by_the_calibrated_factor():
     assert env.now == pytest.approx(0.5 + 2 / 3)
 
 
+def _ends_beside_a_call(
+    jobs: int, call_wait: float, busy: float | None = None, threads: float = 1.0
+) -> list[float]:
+    """When each of `jobs` compute jobs of 2 s (with `threads`) on two cores ends, with a
+    call starting at 1 s and the cores' `call_wait` / `call_wait_busy` set."""
+    cluster = Cluster(1, cores=2, link=Link(1e9))
+    env, machine = cluster.env, cluster.machines[0]
+    machine.cores.call_wait, machine.cores.call_wait_busy = call_wait, busy
+    ends = []
+
+    def compute():
+        yield from machine.compute(2.0, threads)  # 2 s with its threads
+        ends.append(env.now)
+
+    def later_call():
+        yield env.timeout(1.0)
+        yield from machine.call(0.0, 0.0)
+
+    for _ in range(jobs):
+        env.process(compute())
+    env.process(later_call())
+    env.run()
+    return ends
+
+
 def test_a_call_preempts_the_computing_jobs_by_the_calibrated_wait():
     """`call_wait` 0.3 s: a call starting at 1 s delays one compute job of 2 s on two cores
     to 2.3 s; two compute jobs share the wait (each ends 0.15 s later); a call with no
     compute running takes its own time only."""
     for computing, expected in ((1, 2.3), (2, 2.15)):
-        cluster = Cluster(1, cores=2, link=Link(1e9))
-        env, machine = cluster.env, cluster.machines[0]
-        machine.cores.call_wait = 0.3
-        ends = []
-
-        def compute(machine=machine, env=env, ends=ends):
-            yield from machine.compute(2.0)
-            ends.append(env.now)
-
-        def later_call(machine=machine, env=env):
-            yield env.timeout(1.0)
-            yield from machine.call(0.0, 0.0)
-
-        for _ in range(computing):
-            env.process(compute())
-        env.process(later_call())
-        env.run()
+        ends = _ends_beside_a_call(computing, 0.3)
         assert ends == pytest.approx([expected] * computing)
 
     cluster = Cluster(1, cores=2, link=Link(1e9))
@@ -110,23 +119,7 @@ def test_a_calls_loss_to_the_computing_jobs_follows_how_many_compute():
         (1, 1.5, 1.0, 2.6),
         (2, 1.0, None, 2.1),
     ):
-        cluster = Cluster(1, cores=2, link=Link(1e9))
-        env, machine = cluster.env, cluster.machines[0]
-        machine.cores.call_wait, machine.cores.call_wait_busy = 0.2, busy
-        ends = []
-
-        def compute(machine=machine, env=env, ends=ends, threads=threads):
-            yield from machine.compute(2.0, threads)  # 2 s with its threads
-            ends.append(env.now)
-
-        def later_call(machine=machine, env=env):
-            yield env.timeout(1.0)
-            yield from machine.call(0.0, 0.0)
-
-        for _ in range(jobs):
-            env.process(compute())
-        env.process(later_call())
-        env.run()
+        ends = _ends_beside_a_call(jobs, 0.2, busy, threads)
         assert ends == pytest.approx([expected] * jobs), (jobs, threads, busy)
 
 
