@@ -44,12 +44,15 @@ def pid_of(actor) -> int:  # noqa: ANN001
 
 @contextmanager
 def reference_and_backed_up(
-    initial: torch.Tensor, num_shards: int
+    initial: torch.Tensor, num_shards: int, shared_memory: bool = True
 ) -> Iterator[tuple[ParameterServer, ParameterServer]]:
     """A server nobody kills (the reference) and one whose shards keep backups, both holding
-    `initial`; both ended afterwards."""
+    `initial`; both ended afterwards. `shared_memory` False: every call goes through Ray,
+    as from another node."""
     reference = ParameterServer.create(initial, num_shards, ADAGRAD)
-    server = ParameterServer.create(initial, num_shards, ADAGRAD, backups=1)
+    server = ParameterServer.create(
+        initial, num_shards, ADAGRAD, backups=1, shared_memory=shared_memory
+    )
     try:
         yield reference, server
     finally:
@@ -104,8 +107,10 @@ def test_a_pull_answer_lost_with_its_node_is_asked_for_again(ray_session, monkey
     until fetched; a node lost in between raises ObjectLostError, not RayActorError. The
     client asks again: a live primary answers (no failover: its backup promoted beside it
     would make two primaries), a dead one is replaced by its backup. Either way the pull
-    returns the values a fault-free server holds, and no update is lost or applied twice."""
-    with reference_and_backed_up(torch.linspace(-1, 1, 1000), 2) as (reference, server):
+    returns the values a fault-free server holds, and no update is lost or applied twice.
+    (Through Ray: a pull from a shard on the caller's node copies its shared slice.)"""
+    initial = torch.linspace(-1, 1, 1000)
+    with reference_and_backed_up(initial, 2, shared_memory=False) as (reference, server):
         pushes(reference, range(6))
         pushes(server, range(3))
         if primary == "dead":

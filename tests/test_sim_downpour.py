@@ -342,7 +342,10 @@ def config(
     n_push=1,
     threads=False,
     backups=0,
+    shared_memory=False,
 ):
+    """`shared_memory` False by default: the closed forms price pulls as calls to the
+    shard (as from another node)."""
     return config_from_dict(
         {
             "run": {"name": "sim", "num_threads": 1},
@@ -367,6 +370,7 @@ def config(
                 "shard_checkpoint_every": 10_000,
                 "threads": threads,
                 "shard_backups": backups,
+                "shared_memory": shared_memory,
             },
             "compress": {"codec": codec},
         }
@@ -418,6 +422,23 @@ def test_one_replica_one_shard_closed_form():
     assert result.run_s == pytest.approx(expected, rel=1e-9)
     assert result.extra["pushes"] == 20 and result.extra["pulls"] == 20
     assert result.wire_bytes == 0  # one machine: nothing crosses a network
+
+
+def test_one_replica_one_shard_through_shared_memory_closed_form():
+    """The same with the shard's slice in shared memory: a fetch still waits for the last
+    push's update (its own), then only the caller copies; the shard serves no pull."""
+    cfg = config(steps=20, shared_memory=True)
+    cal = calibration(cfg)
+    result = DownpourSim(cfg, Setting(cal, machines=1)).run()
+    nbytes = 4 * NUM_PARAMETERS
+    copy = (cal.pull.fixed_s + nbytes / cal.pull.bytes_per_s) / 2  # the caller's half
+    push_wall = cal.push.fixed_s + nbytes / cal.push.bytes_per_s
+    apply = push_wall / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)
+    hand_out, chunk_answer = cal.pull.fixed_s / 2, cal.pull.fixed_s
+    step = copy + 0.010 + push_wall / 2
+    expected = hand_out + 20 * step + 19 * apply + chunk_answer + 2 * copy
+    assert result.run_s == pytest.approx(expected, rel=1e-9)
+    assert result.bytes_by_kind["pull"] == 20 * nbytes  # counted, though no call carries them
 
 
 def test_a_push_collects_the_last_ones_answers_and_zeroes_its_gradient():
@@ -744,7 +765,8 @@ def test_byte_counts_equal_a_real_runs(tmp_path, link, sent):
     """One replica, two shards, 8-bit pushes, n_fetch 2, n_push 3: the simulated pushes
     carry exactly the bytes that pushes.jsonl records, and the pulls too; with a link on
     which raw is faster, both send raw."""
-    cfg = with_link(config(num_shards=2, steps=40, codec="dynamic8", n_fetch=2, n_push=3), link)
+    cfg = config(num_shards=2, steps=40, codec="dynamic8", n_fetch=2, n_push=3, shared_memory=True)
+    cfg = with_link(cfg, link)
     raw = cfg.model_dump(mode="json")
     raw["run"]["out_dir"] = str(tmp_path)
     result = fit(raw)

@@ -5,6 +5,11 @@ Pulls and pushes go to all shards at once (one Ray call per shard, in parallel):
 waits for every slice and writes it into the caller's flat buffer; a push returns at once
 with one future per shard, so the caller can go on computing while the shards apply it.
 The object is small and serialisable, so the driver hands it to every replica.
+
+A shard on the caller's node is reached through shared memory (`scaleout.ps.shared`,
+`shared_memory=True`): a pull copies its slice under its lock, without a call; a push
+copies the gradient into this client's inbox and calls the shard with where it lies. A
+shard found dead there is asked through Ray, which handles the failure.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayT
 
 from scaleout.compress import CompressSection
 from scaleout.nn.optim import OptimizerOptions
+from scaleout.ps import shared
 from scaleout.ps.backup import BackupKeeper, BackupPolicy, shard_nodes
 from scaleout.ps.layout import shard_ranges
 from scaleout.ps.shard import ParameterShard, ShardLost
@@ -40,7 +46,7 @@ class Push:
     after a failover or a restart)."""
 
     slot: int
-    payload: Any  # an ObjectRef of the encoded slice
+    payload: Any  # an ObjectRef of the encoded slice, or a SharedSlice in our inbox
     base_version: int
     seq: int
     future: Any
@@ -63,6 +69,7 @@ class ParameterServer:
         ranges: list[tuple[int, int]],
         compress: CompressSection | None,
         backups: list[Any] | None = None,
+        shared_memory: bool = True,
     ) -> None:
         self.shards = list(shards)
         self.backups = list(backups) if backups is not None else [None] * len(shards)
@@ -79,6 +86,11 @@ class ParameterServer:
         self.keeper: Any = None  # starts the backups (the driver's copy ends it)
         self._initial: torch.Tensor | None = None  # until every shard holds its slice
         self._pending: list[Any] = []
+        self.shared_memory = shared_memory and shared.available()
+        self._views: list[shared.RegionView | None] = [None] * len(shards)
+        self._view_for: list[Any] = [None] * len(shards)  # the shard handle each was asked
+        self._inboxes: list[shared.Inbox | None] = [None] * len(shards)
+        self._inbox_pushes: list[list[Push | None]] = [[] for _ in shards]  # per buffer
 
     @classmethod
     def create(
@@ -94,6 +106,7 @@ class ParameterServer:
         resource: str | None = None,
         wait: bool = True,
         backups: int = 0,
+        shared_memory: bool = True,
     ) -> ParameterServer:
         """Start `num_shards` shard actors holding `initial` (P,), or their checkpoints in
         `checkpoint_root/shard_<i>` when they have some; each applies pushed gradients with
@@ -102,7 +115,8 @@ class ParameterServer:
         With `resource`, shards run only on nodes that offer that custom Ray resource. With
         `backups` = 1 every shard keeps a backup that applies every update too (placed on
         another node when there is one); a primary that dies is replaced by its backup, not
-        restarted by Ray.
+        restarted by Ray. `shared_memory`: clients on a shard's node pull and push through
+        shared memory (False: through Ray's object store, as across nodes).
         """
         if backups not in (0, 1):
             raise ValueError(f"backups = {backups}: a shard keeps 0 or 1 backup")
@@ -136,7 +150,7 @@ class ParameterServer:
             for i, (start, stop) in enumerate(ranges)
         ]
         flat = initial.detach().to("cpu", torch.float32)
-        server = cls(shards, ranges, compress)
+        server = cls(shards, ranges, compress, shared_memory=shared_memory)
         server.keeper = keeper
         server._initial = flat
         server._pending = [
@@ -166,7 +180,13 @@ class ParameterServer:
         self._pending, self._initial = [], None
 
     def __reduce__(self) -> tuple[type[ParameterServer], tuple[Any, ...]]:
-        return ParameterServer, (self.shards, self.ranges, self.compress, self.backups)
+        return ParameterServer, (
+            self.shards,
+            self.ranges,
+            self.compress,
+            self.backups,
+            self.shared_memory,
+        )
 
     @property
     def numel(self) -> int:
@@ -174,13 +194,90 @@ class ParameterServer:
 
     def pull_into(self, out: torch.Tensor) -> tuple[list[int], int]:
         """Fetch every shard's slice into `out` (P,); return (versions, bytes received)."""
-        results = self._each(lambda i: self.shards[i].pull.remote())
-        versions, received = [], 0
-        for (start, stop), (payload, version) in zip(self.ranges, results, strict=True):
+        versions, received, called = [0] * len(self.shards), 0, []
+        for i, (start, stop) in enumerate(self.ranges):
+            view = self._view(i)
+            if view is None:
+                called.append(i)
+                continue
+            self._wait_applied(i)
+            try:
+                versions[i] = view.read_into(out[start:stop])
+                received += 4 * (stop - start)
+            except (shared.OwnerDied, OSError):  # through Ray, which handles the failure
+                with self._lock:
+                    self._forget(i)
+                called.append(i)
+        results = self._each(lambda i: self.shards[i].pull.remote(), called) if called else []
+        for i, (payload, version) in zip(called, results, strict=True):
+            start, stop = self.ranges[i]
             out[start:stop].copy_(self.pull_wire.decode(payload))
-            versions.append(version)
+            versions[i] = version
             received += Wire.nbytes(payload)
         return versions, received
+
+    # --- shared memory with the shards on this node -----------------------------------------
+
+    def _view(self, slot: int) -> shared.RegionView | None:
+        """Shard `slot`'s slice mapped, when it shares this node (asked once per shard)."""
+        if not self.shared_memory:
+            return None
+        with self._lock:  # a replica's fetch and push threads both ask
+            shard = self.shards[slot]
+            if self._view_for[slot] is not shard:
+                self._forget(slot)
+                try:
+                    ref = ray.get(shard.region_ref.remote(), timeout=RETRY_SECONDS)
+                except (RayActorError, RayTaskError, GetTimeoutError):
+                    return None  # the call through Ray meets the failure and handles it
+                node = ray.get_runtime_context().get_node_id()
+                self._views[slot], self._view_for[slot] = shared.open_view(ref, node), shard
+            return self._views[slot]
+
+    def _wait_applied(self, slot: int) -> None:
+        """Until shard `slot` has taken this client's pushes so far: a pull sees them, as a
+        call queued behind them at the shard would (a failed one is handled where it is
+        settled)."""
+        with self._lock:
+            futures = [push.future for push in self._unacked[slot]]
+        if futures:
+            ray.wait(futures, num_returns=len(futures), fetch_local=False)
+
+    def _forget(self, slot: int) -> None:
+        view, self._views[slot], self._view_for[slot] = self._views[slot], None, None
+        if view is not None:
+            view.close()
+
+    def _in_inbox(self, slot: int, values: np.ndarray) -> shared.SharedSlice | None:
+        """`values` copied into a free buffer of this client's inbox for shard `slot`, when
+        the shard shares this node; None: send them through the object store. A buffer is
+        free once the push it carried has been acknowledged."""
+        if self._view(slot) is None:
+            return None
+        inbox = self._inboxes[slot]
+        if inbox is None:
+            node = ray.get_runtime_context().get_node_id()
+            inbox = self._inboxes[slot] = shared.Inbox(values.size, node)
+            self._inbox_pushes[slot] = [None] * inbox.count
+        carried = self._inbox_pushes[slot]
+        for k in range(inbox.count):
+            index = (inbox.next + k) % inbox.count
+            last = carried[index]
+            if last is None or not any(p is last for p in self._unacked[slot]):
+                inbox.next = (index + 1) % inbox.count
+                return inbox.put(torch.from_numpy(values), index)
+        return None
+
+    def _materialize(self, push: Push) -> None:
+        """A push sent again may reach a successor on another node: its gradient goes into
+        the object store (its inbox buffer is kept until it is acknowledged)."""
+        if isinstance(push.payload, shared.SharedSlice):
+            inbox = self._inboxes[push.slot]
+            assert inbox is not None
+            piece = push.payload
+            push.payload = ray.put(
+                inbox.region.values[piece.offset : piece.offset + piece.numel].numpy()
+            )
 
     def push(self, grads: torch.Tensor, base_versions: list[int]) -> tuple[list[Push], int]:
         """Send each shard its slice of `grads` (P,); return (pushes, bytes sent) at once.
@@ -191,10 +288,15 @@ class ParameterServer:
         ):
             payload = self.wire.encode(grads[start:stop], key=slot)  # key: the shard
             self.seqs[slot] += 1
-            # Into the object store now: the payload may view the caller's gradient buffer,
-            # which is zeroed and refilled before a push sent again after a failure.
-            push = Push(slot, ray.put(payload), version, self.seqs[slot], None)
             with self._lock:
+                # Copied now (into our inbox, or the object store): the payload may view the
+                # caller's gradient buffer, which is zeroed and refilled before a push sent
+                # again after a failure.
+                local = self._in_inbox(slot, payload) if isinstance(payload, np.ndarray) else None
+                ref = local if local is not None else ray.put(payload)
+                push = Push(slot, ref, version, self.seqs[slot], None)
+                if local is not None:  # its buffer stays ours until the push is acknowledged
+                    self._inbox_pushes[slot][local.offset // local.numel] = push
                 self._send(push)
                 self._unacked[slot].append(push)
             pushes.append(push)
@@ -247,7 +349,7 @@ class ParameterServer:
 
     # --- failures ----------------------------------------------------------------------------
 
-    def _each(self, call: Callable[[int], Any]) -> list[Any]:
+    def _each(self, call: Callable[[int], Any], slots: list[int] | None = None) -> list[Any]:
         """Call every shard in parallel; a call to a shard that died goes to its successor.
 
         A shard's answer of more than Ray's inline limit (100 KB: a pull, `values()`) waits
@@ -255,12 +357,13 @@ class ParameterServer:
         with it (`ObjectLostError`, not `RayActorError`). The call is made again: a shard
         that died with its node answers `RayActorError` then and is replaced; one that lives
         answers again. Each call made here (a pull, `values`, `info`, a checkpoint,
-        `initialize`) may be made twice."""
-        called = list(self.shards)
-        futures = [call(i) for i in range(len(self.shards))]
-        results: list[Any] = [None] * len(self.shards)
+        `initialize`) may be made twice. `slots`: only those shards (all by default)."""
+        slots = list(range(len(self.shards))) if slots is None else slots
+        called = {i: self.shards[i] for i in slots}
+        futures = {i: call(i) for i in slots}
+        results: dict[int, Any] = {}
         deadline = time.monotonic() + RETRY_SECONDS
-        for i in range(len(self.shards)):
+        for i in slots:
             while True:
                 try:
                     results[i] = ray.get(futures[i])
@@ -277,7 +380,7 @@ class ParameterServer:
                 except RayTaskError as error:  # a shard's own one-line error, not Ray's banner
                     reraise_user_error(error)
                     raise
-        return results
+        return [results[i] for i in slots]
 
     def _recover(self, slot: int, failed: Any, deadline: float) -> None:  # noqa: ANN401
         """Shard `slot` died: promote its backup, or give Ray time to restart it; then
@@ -322,6 +425,8 @@ class ParameterServer:
                 continue  # still restarting, or its successor died too
         self.updates_lost += max(self.acked[slot] - held, 0)
         self.acked[slot] = min(self.acked[slot], held)
+        self._forget(slot)  # its successor is asked where its slice lies
         for push in self._unacked[slot]:  # in their order, before anything else of ours
+            self._materialize(push)
             self._send(push)
             self.resent += 1

@@ -20,11 +20,14 @@ shard restarted with nothing to restore refuses every call with one line (`Shard
 never serving zeros.
 
 Runs as a Ray actor (`ray.remote(ParameterShard)`), one call at a time, so pulls and pushes
-see a consistent slice.
+see a consistent slice. Its slice lives in shared memory (`scaleout.ps.shared`), so clients
+on its node pull by copying it under its lock, and their pushes name a gradient in their own
+shared inbox instead of carrying it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -46,6 +49,7 @@ from scaleout.checkpoint import (
 from scaleout.compress import CompressSection
 from scaleout.errors import CheckpointError, DiskError, UserError
 from scaleout.nn.optim import OptimizerOptions, build_optimizer
+from scaleout.ps import shared
 from scaleout.ps.backup import BackupLink, BackupPolicy
 from scaleout.ps.wire import Payload, Wire
 
@@ -81,7 +85,10 @@ class ParameterShard:
         self.shard_id = shard_id
         self.wire = Wire(compress)  # gradients arrive compressed as configured
         self.pull_wire = Wire()  # parameters leave in fp32: 8 bits would drop small updates
-        self.param = nn.Parameter(torch.zeros(numel))  # (n,) set by initialize() or a checkpoint
+        # (n,) set by initialize() or a checkpoint; in shared memory where this node allows
+        self.region = _region(numel, shard_id)
+        self.param = nn.Parameter(self.region.values if self.region else torch.zeros(numel))
+        self.inboxes = shared.Views()  # the clients' inboxes their pushes name
         self.param.grad = torch.zeros_like(self.param)
         self.optimizer = build_optimizer([self.param], optimizer)
         self.version = 0
@@ -113,7 +120,7 @@ class ParameterShard:
         arguments for it: they are small).
         """
         if self.restored_version is None:
-            with torch.no_grad():
+            with torch.no_grad(), self._writing():
                 self.param.copy_(torch.from_numpy(np.array(values, dtype=np.float32)))
             if self.checkpoints is not None:
                 self.checkpoint()
@@ -132,8 +139,17 @@ class ParameterShard:
         self.stats["bytes_out"] += Wire.nbytes(payload)
         return payload, self.version
 
+    def region_ref(self) -> shared.RegionRef | None:
+        """Where clients on this node map the slice (None: pull through calls)."""
+        self._check_state()
+        return self.region.ref if self.region is not None else None
+
     def push(
-        self, payload: Payload, base_version: int, client: str = "", seq: int = 0
+        self,
+        payload: Payload | shared.SharedSlice,
+        base_version: int,
+        client: str = "",
+        seq: int = 0,
     ) -> tuple[int, int]:
         """Apply one gradient (and have the backup apply it); return (new version,
         staleness of this push). A push this shard applied already (`client`'s `seq`, sent
@@ -141,6 +157,8 @@ class ParameterShard:
         self._check_state()
         if self._applied_already(client, seq):
             return self.version, 0
+        if isinstance(payload, shared.SharedSlice) and self.link is not None:
+            payload = self.inboxes.values(payload).numpy().copy()  # the backup may be remote
         forward = (
             self.link.forward("replicate", payload, base_version, client, seq)
             if (self.link is not None)
@@ -153,21 +171,28 @@ class ParameterShard:
         self._maybe_checkpoint()
         return result
 
-    def _apply(self, payload: Payload, base_version: int, client: str, seq: int) -> tuple[int, int]:
-        grad = self.wire.decode(payload)
+    def _apply(
+        self, payload: Payload | shared.SharedSlice, base_version: int, client: str, seq: int
+    ) -> tuple[int, int]:
+        if isinstance(payload, shared.SharedSlice):
+            grad, nbytes = self.inboxes.values(payload), payload.nbytes
+        else:
+            grad, nbytes = self.wire.decode(payload), Wire.nbytes(payload)
         if grad.shape != self.param.shape:
             raise ValueError(
                 f"shard {self.shard_id} holds {self.param.numel()} values, got a gradient of "
                 f"{grad.numel()}"
             )
         staleness = self.version - base_version
-        self.param.grad.copy_(grad)
-        self.optimizer.step()
-        self.version += 1
+        with self._writing():
+            self.param.grad.copy_(grad)
+            self.optimizer.step()
+            self.version += 1
+            self._publish()
         if client:
             self.applied[client] = seq
         self.stats["pushes"] += 1
-        self.stats["bytes_in"] += Wire.nbytes(payload)
+        self.stats["bytes_in"] += nbytes
         self.stats["staleness_sum"] += staleness
         return self.version, staleness
 
@@ -310,11 +335,28 @@ class ParameterShard:
 
     def _load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """The inverse of `_state`."""
-        with torch.no_grad():
+        with torch.no_grad(), self._writing():
             self.param.copy_(tensors["param"])
-        load_optimizer_state(self.optimizer, tensors, meta["optimizer"])
-        self.version = int(meta["version"])
+            load_optimizer_state(self.optimizer, tensors, meta["optimizer"])
+            self.version = int(meta["version"])
+            self._publish()
         self.applied = {str(k): int(v) for k, v in meta.get("applied", {}).items()}
+
+    def _writing(self) -> contextlib.AbstractContextManager[None]:
+        """No client on this node copies the slice meanwhile."""
+        return self.region.writing() if self.region is not None else contextlib.nullcontext()
+
+    def _publish(self) -> None:
+        if self.region is not None:
+            self.region.publish(self.version)
+
+
+def _region(numel: int, shard_id: int) -> shared.Region | None:
+    """The slice's shared memory, where this node allows it."""
+    if not shared.available():
+        return None
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    return shared.Region(numel, node, f"scaleout-shard-{shard_id}")
 
 
 def _restarted_by_ray() -> bool:

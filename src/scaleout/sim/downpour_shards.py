@@ -7,6 +7,10 @@ slice across the link, and the caller's side; a push is the caller's side (encod
 the object store), the payload across the link, and the shard's update (decode, the
 optimizer's step, a checkpoint now and then), forwarded to the shard's backup when it has
 one and answered once the backup has applied it too. Costs are the calibration's.
+
+A pull from a shard on the replica's machine (`downpour.shared_memory`) is no call: once the
+shard has applied the replica's own pushes, the caller copies the slice from shared memory,
+waiting only for the update the shard holds its lock for (`scaleout.ps.shared`).
 """
 
 from __future__ import annotations
@@ -139,6 +143,14 @@ class ShardCalls:
         before, done = self._in_order(replica, shard)
         if before is not None:
             yield before
+        if self.opts.shared_memory and shard.machine == replica.machine:
+            if shard.applying is not None:  # its lock, held for an update
+                yield shard.applying
+            done.succeed()
+            if versions is not None:
+                versions[shard.index] = shard.version
+            yield from self.cluster.send(shard.machine, replica.machine, nbytes, kind)
+            return
         # the shard puts its slice into the object store
         yield from self._serve(shard, self._call(shard.machine, self.cal.pull, nbytes, False))
         done.succeed()
@@ -178,7 +190,10 @@ class ShardCalls:
         if shard.backup is not None:  # the payload to the backup, put into the object store
             yield from self._call(shard.machine, self.cal.push, nbytes, caller=True)
             replicated = self.env.process(self._replicate(shard, nbytes, seconds))
+        shard.applying = applied = self.env.event()  # its lock, while it steps
         yield from self.cluster.machines[shard.machine].work(seconds)
+        shard.applying = None
+        applied.succeed()
         if replicated is not None:  # the push is answered once the backup has applied it
             yield replicated
         self.staleness.append(round((shard.version - base_version) * self.scale))

@@ -21,6 +21,7 @@ class Shard:
     version: int = 0
     updates: int = 0
     backup: int | None = None  # the machine of its backup (`downpour.shard_backups`)
+    applying: simpy.Event | None = None  # ends with the update it holds its lock for now
 
 
 @dataclass

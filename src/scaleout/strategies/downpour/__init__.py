@@ -31,6 +31,9 @@ class DownpourSection(Section):
     # Each shard's backup applies every update too, so a shard that dies loses nothing;
     # None: 1 when the cluster holds the extra processes and has a node or core to spare.
     shard_backups: Annotated[int, Field(ge=0, le=1)] | None = None
+    # Replicas pull and push through shared memory with the shards on their node (a copy
+    # under the shard's lock; `scaleout.ps.shared`); false: through Ray's object store.
+    shared_memory: bool = True
     shard_checkpoint_every: PositiveInt | None = 500  # shard updates between checkpoints
     shard_checkpoint_seconds: PositiveFloat | None = 30.0  # or seconds, whichever first
     # Custom Ray resources that pin shards / replicas to the nodes that offer them (start

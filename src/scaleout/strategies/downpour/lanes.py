@@ -83,6 +83,7 @@ class Lanes:
                         resource=opts.shard_resource,
                         wait=False,  # start every lane's processes at once
                         backups=self.backups,
+                        shared_memory=opts.shared_memory,
                     )
                 )
             self.servers.append(lane)

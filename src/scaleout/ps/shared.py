@@ -1,0 +1,203 @@
+"""Slices and gradients shared through memory between the processes of one node.
+
+Through Ray, a pull makes the shard put its slice into the object store and the caller wait
+for the call's answer; a push puts the gradient into the store. On an idle 2-core machine a
+put of a 3.7 MB slice takes 2.6 ms and a pull 3.3 ms, against 0.17 ms for copying the slice;
+on a busy one each call also waits for the shard's and the raylet's processes to get a core.
+The demo's two replicas spent a third of their time pulling and pushing (18 + 12 ms per
+window of 3 steps of 18 ms).
+
+Where a replica and a shard share a node, the shard keeps its slice in an anonymous shared
+file (`os.memfd_create`) that the replica maps: a pull is one copy under a shared lock, with
+no call and no other process scheduled. A push is a copy into the client's own shared inbox
+and a small call that names where the gradient lies (`SharedSlice`); the shard reads it
+from there. Another process opens such a file as `/proc/<pid>/fd/<fd>` (same user), so
+nothing is left behind when processes die: the kernel frees the memory with its last user.
+
+Locks (`flock`, per open file): the owner holds its region's lock exclusively while it
+changes the values (an optimizer step, a restore) and their version, and a reader holds it
+shared while it copies, so a pull sees one version of a slice, as a call to the shard does.
+The owner also holds a second file's lock for its whole life: a reader who can take that
+lock knows the owner died (the kernel dropped its locks) and goes through Ray instead,
+where the failure is handled (a backup promoted, a restart waited for).
+
+Linux only (memfd, /proc); elsewhere `available()` is False and every call goes through Ray.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+HEADER_FLOATS = 16  # 64 bytes before the values: the version (int64), and alignment
+_VERSION = 0  # index of the version in the header's int64 view
+
+
+def available() -> bool:
+    """Whether this process can share memory with its node's others here (Linux)."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+
+
+@dataclass(frozen=True)
+class RegionRef:
+    """Where a process of `node` finds a region (small: it travels inside calls)."""
+
+    node: str
+    pid: int
+    fd: int
+    alive_fd: int
+    numel: int  # float32 values after the header
+
+
+@dataclass(frozen=True)
+class SharedSlice:
+    """A push's gradient, lying in its client's inbox region: values [offset, offset+numel)."""
+
+    region: RegionRef
+    offset: int
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+
+def _map(path: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header as int64, values as float32) of the region file at `path`."""
+    storage = torch.from_file(path, shared=True, size=HEADER_FLOATS + numel, dtype=torch.float32)
+    return storage[:HEADER_FLOATS].view(torch.int64), storage[HEADER_FLOATS:]
+
+
+class Region:
+    """A float32 vector (numel,) this process owns and its node's others may map."""
+
+    def __init__(self, numel: int, node: str, name: str = "scaleout") -> None:
+        self.fd = os.memfd_create(name)
+        os.ftruncate(self.fd, 4 * (HEADER_FLOATS + numel))
+        self._header, self.values = _map(f"/proc/self/fd/{self.fd}", numel)
+        self.alive_fd = os.memfd_create(f"{name}-alive")
+        fcntl.flock(self.alive_fd, fcntl.LOCK_EX)  # held until this process ends
+        self.ref = RegionRef(node, os.getpid(), self.fd, self.alive_fd, numel)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the region's lock exclusively: no reader copies meanwhile."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def publish(self, version: int) -> None:
+        """Set the version readers see with the values (inside `writing()`)."""
+        self._header[_VERSION] = version
+
+
+class OwnerDied(Exception):
+    """The region's owner ended: ask it through Ray instead."""
+
+
+class RegionView:
+    """Another process's region, mapped: read its values, or write an inbox's."""
+
+    def __init__(self, ref: RegionRef) -> None:
+        path = f"/proc/{ref.pid}/fd/{ref.fd}"
+        self.ref = ref
+        self.fd = os.open(path, os.O_RDWR)
+        try:
+            self.alive_fd = os.open(f"/proc/{ref.pid}/fd/{ref.alive_fd}", os.O_RDONLY)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self._header, self.values = _map(path, ref.numel)
+
+    def owner_alive(self) -> bool:
+        try:
+            fcntl.flock(self.alive_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self.alive_fd, fcntl.LOCK_UN)
+        return False
+
+    def read_into(self, out: torch.Tensor) -> int:
+        """Copy the values into `out` (numel,); their version. Raises `OwnerDied`."""
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
+        try:
+            out.copy_(self.values)
+            version = int(self._header[_VERSION])
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        if not self.owner_alive():  # its last values may be from before a failure
+            raise OwnerDied(f"process {self.ref.pid} ended")
+        return version
+
+    def close(self) -> None:
+        for fd in (self.fd, self.alive_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def open_view(ref: RegionRef | None, node: str) -> RegionView | None:
+    """A view of `ref` when it lies on `node` (this process's) and can be opened; None: go
+    through Ray. A region that cannot be opened (no access to the owner's /proc entry, or
+    the owner ended) says so in one warning."""
+    if ref is None or ref.node != node or not available():
+        return None
+    try:
+        return RegionView(ref)
+    except OSError as err:
+        warnings.warn(
+            f"cannot map process {ref.pid}'s shared memory ({err}); its pulls and pushes go "
+            "through Ray's object store",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+class Inbox:
+    """A client's gradients for one shard, in `count` buffers of `numel` values used in
+    turn: a buffer is written again only once the shard has applied what it held (the
+    caller says which are free), so a push sent again after a failure still finds it."""
+
+    def __init__(self, numel: int, node: str, count: int = 3) -> None:
+        self.region = Region(numel * count, node, "scaleout-inbox")
+        self.numel, self.count = numel, count
+        self.next = 0
+
+    def buffer(self, index: int) -> torch.Tensor:
+        return self.region.values[index * self.numel : (index + 1) * self.numel]
+
+    def put(self, grad: torch.Tensor, index: int) -> SharedSlice:
+        """Copy `grad` (numel,) into buffer `index`; the slice to send."""
+        self.buffer(index).copy_(grad)
+        return SharedSlice(self.region.ref, index * self.numel, self.numel)
+
+
+class Views:
+    """Regions of other processes this one reads from (a shard: its clients' inboxes),
+    opened once each; the oldest is closed beyond `limit` (clients that ended)."""
+
+    def __init__(self, limit: int = 16) -> None:
+        self.limit = limit
+        self._views: dict[RegionRef, RegionView] = {}
+
+    def values(self, piece: SharedSlice) -> torch.Tensor:
+        """The values `piece` names (numel,), in the owner's memory: copy before it is free."""
+        view = self._views.get(piece.region)
+        if view is None:
+            view = RegionView(piece.region)
+            self._views[piece.region] = view
+            if len(self._views) > self.limit:
+                oldest = next(iter(self._views))
+                self._views.pop(oldest).close()
+        return view.values[piece.offset : piece.offset + piece.numel]

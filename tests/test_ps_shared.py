@@ -1,0 +1,182 @@
+"""Shared memory between a parameter-server shard and the clients on its node: the regions
+and their locks against plain tensors, and the server's pulls and pushes through them
+against a server whose every call goes through Ray (as from another node)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from scaleout.ps import ParameterServer, shared
+from scaleout.train.config import TrainSection
+
+pytestmark = pytest.mark.skipif(not shared.available(), reason="shared memory needs Linux")
+
+SGD = TrainSection(optimizer="sgd", lr=1.0)
+
+
+def test_a_view_reads_the_owners_values_and_version():
+    region = shared.Region(1000, node="here")
+    with region.writing():
+        region.values.copy_(torch.arange(1000, dtype=torch.float32))
+        region.publish(7)
+    view = shared.open_view(region.ref, "here")
+    assert view is not None
+    out = torch.empty(1000)
+    assert view.read_into(out) == 7
+    assert torch.equal(out, torch.arange(1000, dtype=torch.float32))
+    region.values.add_(1)  # the same memory, not a copy
+    view.read_into(out)
+    assert out[0] == 1
+    view.close()
+
+
+def test_a_reader_waits_while_the_owner_writes():
+    region = shared.Region(10, node="here")
+    view = shared.RegionView(region.ref)
+    out = torch.empty(10)
+    with region.writing():
+        reader = threading.Thread(target=view.read_into, args=(out,))
+        reader.start()
+        reader.join(timeout=0.3)
+        assert reader.is_alive()  # blocked on the owner's exclusive lock
+        region.values.fill_(5.0)
+        region.publish(1)
+    reader.join(timeout=5)
+    assert not reader.is_alive() and torch.equal(out, torch.full((10,), 5.0))
+
+
+def test_a_view_of_an_owner_that_died_says_so():
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from scaleout.ps import shared; r = shared.Region(100, 'here'); "
+            "print(r.ref.pid, r.ref.fd, r.ref.alive_fd, flush=True); input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        pid, fd, alive_fd = map(int, owner.stdout.readline().split())
+        view = shared.RegionView(shared.RegionRef("here", pid, fd, alive_fd, 100))
+        out = torch.empty(100)
+        assert view.read_into(out) == 0 and view.owner_alive()
+        owner.kill()
+        owner.wait()
+        with pytest.raises(shared.OwnerDied):
+            view.read_into(out)
+        view.close()
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_only_regions_on_this_node_that_can_be_opened_are_viewed():
+    region = shared.Region(10, node="here")
+    assert shared.open_view(region.ref, "another node") is None
+    assert shared.open_view(None, "here") is None
+    gone = shared.RegionRef("here", 2**22 + 17, 3, 4, 10)  # no such process
+    with pytest.warns(RuntimeWarning, match="go through Ray"):
+        assert shared.open_view(gone, "here") is None
+
+
+def test_an_inbox_hands_out_slices_the_shard_reads():
+    inbox = shared.Inbox(4, node="here", count=2)
+    first = inbox.put(torch.ones(4), 0)
+    second = inbox.put(torch.full((4,), 2.0), 1)
+    views = shared.Views(limit=1)
+    assert torch.equal(views.values(first), torch.ones(4))
+    assert torch.equal(views.values(second), torch.full((4,), 2.0))
+    assert first.nbytes == 16 and second.offset == 4
+
+
+def servers(initial: torch.Tensor, num_shards: int, **options):  # noqa: ANN003, ANN201
+    """The same shards twice: clients on this node through shared memory, and through Ray."""
+    return (
+        ParameterServer.create(initial, num_shards, SGD, **options),
+        ParameterServer.create(initial, num_shards, SGD, shared_memory=False, **options),
+    )
+
+
+def test_pulls_and_pushes_through_shared_memory_equal_those_through_ray(ray_session):
+    initial = torch.linspace(-1, 1, 1001)
+    local, remote = servers(initial, 3)
+    try:
+        for k in range(4):
+            grad = torch.sin(torch.arange(1001, dtype=torch.float32) * (k + 1))
+            for server in (local, remote):
+                out = torch.empty(1001)
+                versions, received = server.pull_into(out)
+                assert versions == [k] * 3 and received == 4004
+                pushes, sent = server.push(grad, versions)
+                assert sent == 4004
+                local_path = all(isinstance(p.payload, shared.SharedSlice) for p in pushes)
+                assert local_path == (server is local)
+                assert server.settle(pushes) == [(k + 1, 0)] * 3
+        assert torch.equal(local.values(), remote.values())
+        assert [i["bytes_in"] for i in local.info()] == [i["bytes_in"] for i in remote.info()]
+    finally:
+        local.kill()
+        remote.kill()
+
+
+def test_a_pull_sees_the_clients_own_pushes(ray_session):
+    """A pull right after a push, before it is settled, sees it applied: a call queued
+    behind it at the shard would."""
+    initial = torch.zeros(5000)
+    server = ParameterServer.create(initial, 2, SGD)
+    try:
+        out = torch.empty(5000)
+        for k in range(1, 6):
+            versions, _ = server.pull_into(out)
+            assert torch.equal(out, torch.full((5000,), -float(k - 1)))
+            assert versions == [k - 1, k - 1]
+            server.push(torch.ones(5000), versions)  # not settled
+    finally:
+        server.kill()
+
+
+def test_an_inbox_buffer_is_written_again_only_once_acknowledged(ray_session):
+    server = ParameterServer.create(torch.zeros(100), 1, SGD)
+    try:
+        sent = [server.push(torch.ones(100), [0])[0][0] for _ in range(4)]
+        kinds = [type(p.payload) for p in sent]
+        assert kinds[:3] == [shared.SharedSlice] * 3  # three buffers, none acknowledged
+        assert isinstance(sent[3].payload, ray.ObjectRef)  # the fourth waits for none
+        server.settle(sent)
+        assert isinstance(server.push(torch.ones(100), [0])[0][0].payload, shared.SharedSlice)
+        torch.testing.assert_close(server.values(), torch.full((100,), -5.0))
+    finally:
+        server.kill()
+
+
+def test_a_shard_restarted_by_ray_is_found_through_ray_then_shared_again(ray_session, tmp_path):
+    initial = torch.arange(10, dtype=torch.float32)
+    server = ParameterServer.create(initial, 2, SGD, checkpoint_root=tmp_path, checkpoint_every=1)
+    try:
+        out = torch.empty(10)
+        versions, _ = server.pull_into(out)
+        server.settle(server.push(torch.ones(10), versions)[0])
+        pid = server.info()[1]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while server.info()[1]["pid"] == pid and time.monotonic() < deadline:
+            time.sleep(0.2)
+        versions, _ = server.pull_into(out)  # the dead process's memory is not read
+        assert torch.equal(out, initial - 1) and versions == [1, 1]
+        server.pull_into(out)
+        view = server._views[1]
+        assert view is not None and view.ref.pid == server.info()[1]["pid"] != pid
+    finally:
+        server.kill()
