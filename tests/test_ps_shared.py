@@ -91,14 +91,24 @@ def test_only_regions_on_this_node_that_can_be_opened_are_viewed():
         assert shared.open_view(gone, "here") is None
 
 
-def test_an_inbox_hands_out_slices_the_shard_reads():
+def test_an_inbox_hands_out_slices_the_shard_reads_and_keeps_those_in_flight():
     inbox = shared.Inbox(4, node="here", count=2)
-    first = inbox.put(torch.ones(4), 0)
-    second = inbox.put(torch.full((4,), 2.0), 1)
+    in_flight: set[str] = set()
+    first = inbox.put(torch.ones(4), in_flight.__contains__)
+    second = inbox.put(torch.full((4,), 2.0), in_flight.__contains__)
+    assert first is not None and second is not None
+    inbox.sent(first, "push 1")
+    inbox.sent(second, "push 2")
     views = shared.Views(limit=1)
     assert torch.equal(views.values(first), torch.ones(4))
     assert torch.equal(views.values(second), torch.full((4,), 2.0))
     assert first.nbytes == 16 and second.offset == 4
+    in_flight.update(["push 1", "push 2"])
+    assert inbox.put(torch.zeros(4), in_flight.__contains__) is None  # both still needed
+    in_flight.discard("push 2")
+    third = inbox.put(torch.zeros(4), in_flight.__contains__)
+    assert third is not None and third.offset == second.offset
+    assert torch.equal(inbox.values(first), torch.ones(4))  # untouched while in flight
 
 
 def servers(initial: torch.Tensor, num_shards: int, **options):  # noqa: ANN003, ANN201

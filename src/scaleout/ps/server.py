@@ -90,7 +90,6 @@ class ParameterServer:
         self._views: list[shared.RegionView | None] = [None] * len(shards)
         self._view_for: list[Any] = [None] * len(shards)  # the shard handle each was asked
         self._inboxes: list[shared.Inbox | None] = [None] * len(shards)
-        self._inbox_pushes: list[list[Push | None]] = [[] for _ in shards]  # per buffer
 
     @classmethod
     def create(
@@ -258,15 +257,8 @@ class ParameterServer:
         if inbox is None:
             node = ray.get_runtime_context().get_node_id()
             inbox = self._inboxes[slot] = shared.Inbox(values.size, node)
-            self._inbox_pushes[slot] = [None] * inbox.count
-        carried = self._inbox_pushes[slot]
-        for k in range(inbox.count):
-            index = (inbox.next + k) % inbox.count
-            last = carried[index]
-            if last is None or not any(p is last for p in self._unacked[slot]):
-                inbox.next = (index + 1) % inbox.count
-                return inbox.put(torch.from_numpy(values), index)
-        return None
+        unacked = self._unacked[slot]
+        return inbox.put(torch.from_numpy(values), lambda push: any(p is push for p in unacked))
 
     def _materialize(self, push: Push) -> None:
         """A push sent again may reach a successor on another node: its gradient goes into
@@ -274,10 +266,7 @@ class ParameterServer:
         if isinstance(push.payload, shared.SharedSlice):
             inbox = self._inboxes[push.slot]
             assert inbox is not None
-            piece = push.payload
-            push.payload = ray.put(
-                inbox.region.values[piece.offset : piece.offset + piece.numel].numpy()
-            )
+            push.payload = ray.put(inbox.values(push.payload).numpy())
 
     def push(self, grads: torch.Tensor, base_versions: list[int]) -> tuple[list[Push], int]:
         """Send each shard its slice of `grads` (P,); return (pushes, bytes sent) at once.
@@ -296,7 +285,9 @@ class ParameterServer:
                 ref = local if local is not None else ray.put(payload)
                 push = Push(slot, ref, version, self.seqs[slot], None)
                 if local is not None:  # its buffer stays ours until the push is acknowledged
-                    self._inbox_pushes[slot][local.offset // local.numel] = push
+                    inbox = self._inboxes[slot]
+                    assert inbox is not None
+                    inbox.sent(local, push)
                 self._send(push)
                 self._unacked[slot].append(push)
             pushes.append(push)

@@ -30,7 +30,7 @@ import fcntl
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -166,21 +166,34 @@ def open_view(ref: RegionRef | None, node: str) -> RegionView | None:
 
 class Inbox:
     """A client's gradients for one shard, in `count` buffers of `numel` values used in
-    turn: a buffer is written again only once the shard has applied what it held (the
-    caller says which are free), so a push sent again after a failure still finds it."""
+    turn. A buffer is written again only once the push it was sent with is no longer in
+    flight (`put`'s `in_flight`), so a push sent again after a failure still finds it."""
 
     def __init__(self, numel: int, node: str, count: int = 3) -> None:
         self.region = Region(numel * count, node, "scaleout-inbox")
         self.numel, self.count = numel, count
         self.next = 0
+        self.sent_with: list[object | None] = [None] * count  # each buffer's last push
 
-    def buffer(self, index: int) -> torch.Tensor:
-        return self.region.values[index * self.numel : (index + 1) * self.numel]
+    def values(self, piece: SharedSlice) -> torch.Tensor:
+        """The values `piece` (of this inbox) names (numel,)."""
+        return self.region.values[piece.offset : piece.offset + piece.numel]
 
-    def put(self, grad: torch.Tensor, index: int) -> SharedSlice:
-        """Copy `grad` (numel,) into buffer `index`; the slice to send."""
-        self.buffer(index).copy_(grad)
-        return SharedSlice(self.region.ref, index * self.numel, self.numel)
+    def put(self, grad: torch.Tensor, in_flight: Callable[[object], bool]) -> SharedSlice | None:
+        """Copy `grad` (numel,) into the next buffer whose last push is not `in_flight`;
+        the slice to send (`sent(slice, push)` then), or None when every buffer is."""
+        for k in range(self.count):
+            index = (self.next + k) % self.count
+            last = self.sent_with[index]
+            if last is None or not in_flight(last):
+                self.next = (index + 1) % self.count
+                self.region.values[index * self.numel : (index + 1) * self.numel].copy_(grad)
+                return SharedSlice(self.region.ref, index * self.numel, self.numel)
+        return None
+
+    def sent(self, piece: SharedSlice, push: object) -> None:
+        """`piece`'s buffer now carries `push`."""
+        self.sent_with[piece.offset // self.numel] = push
 
 
 class Views:
