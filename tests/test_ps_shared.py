@@ -190,3 +190,18 @@ def test_a_shard_restarted_by_ray_is_found_through_ray_then_shared_again(ray_ses
         assert view is not None and view.ref.pid == server.info()[1]["pid"] != pid
     finally:
         server.kill()
+
+
+def test_a_shard_without_shared_memory_warns_and_serves_through_calls(monkeypatch):
+    from scaleout.ps import shard as shard_module
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise OSError("memfd_create refused")
+
+    monkeypatch.setattr(shared, "Region", refuse)
+    with pytest.warns(RuntimeWarning, match="go through Ray"):
+        shard = shard_module.ParameterShard(0, 4, SGD)
+    shard.initialize(torch.ones(4).numpy())
+    assert shard.region_ref() is None
+    payload, version = shard.pull()
+    assert version == 0 and torch.equal(torch.from_numpy(payload), torch.ones(4))

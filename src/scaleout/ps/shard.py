@@ -356,7 +356,16 @@ def _region(numel: int, shard_id: int) -> shared.Region | None:
     if not shared.available():
         return None
     node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-    return shared.Region(numel, node, f"scaleout-shard-{shard_id}")
+    try:
+        return shared.Region(numel, node, f"scaleout-shard-{shard_id}")
+    except OSError as err:  # e.g. memfd refused: every client goes through Ray
+        warnings.warn(
+            f"parameter-server shard {shard_id}: no shared memory ({err}); its pulls and "
+            "pushes go through Ray's object store",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def _restarted_by_ray() -> bool:
