@@ -400,14 +400,19 @@ def calibration(cfg, step_s=0.010, cores=8):
     )
 
 
-def test_one_replica_one_shard_closed_form():
-    """Fetch, compute, push per step, nothing else on the cores: every step costs the same."""
-    cfg = config(steps=20)
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_one_replica_one_shard_closed_form(shared_memory):
+    """Fetch, compute, push per step, nothing else on the cores: every step costs the same.
+    With the shard's slice in shared memory a fetch still waits for the last push's update
+    (its own), then only the caller copies: the shard serves no pull."""
+    cfg = config(steps=20, shared_memory=shared_memory)
     cal = calibration(cfg)
     result = DownpourSim(cfg, Setting(cal, machines=1)).run()
     nbytes = 4 * NUM_PARAMETERS
     # No CPU measured: a call keeps one core busy for its wall time, half of it the caller's.
     pull = cal.pull.fixed_s + nbytes / cal.pull.bytes_per_s  # the shard's half, the caller's
+    if shared_memory:
+        pull /= 2  # the caller's copy alone
     push_wall = cal.push.fixed_s + nbytes / cal.push.bytes_per_s
     push = push_wall / 2  # the caller's half
     apply = push_wall / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)  # in the shard's queue
@@ -422,22 +427,6 @@ def test_one_replica_one_shard_closed_form():
     assert result.run_s == pytest.approx(expected, rel=1e-9)
     assert result.extra["pushes"] == 20 and result.extra["pulls"] == 20
     assert result.wire_bytes == 0  # one machine: nothing crosses a network
-
-
-def test_one_replica_one_shard_through_shared_memory_closed_form():
-    """The same with the shard's slice in shared memory: a fetch still waits for the last
-    push's update (its own), then only the caller copies; the shard serves no pull."""
-    cfg = config(steps=20, shared_memory=True)
-    cal = calibration(cfg)
-    result = DownpourSim(cfg, Setting(cal, machines=1)).run()
-    nbytes = 4 * NUM_PARAMETERS
-    copy = (cal.pull.fixed_s + nbytes / cal.pull.bytes_per_s) / 2  # the caller's half
-    push_wall = cal.push.fixed_s + nbytes / cal.push.bytes_per_s
-    apply = push_wall / 2 + cal.apply_s("adagrad", NUM_PARAMETERS)
-    hand_out, chunk_answer = cal.pull.fixed_s / 2, cal.pull.fixed_s
-    step = copy + 0.010 + push_wall / 2
-    expected = hand_out + 20 * step + 19 * apply + chunk_answer + 2 * copy
-    assert result.run_s == pytest.approx(expected, rel=1e-9)
     assert result.bytes_by_kind["pull"] == 20 * nbytes  # counted, though no call carries them
 
 

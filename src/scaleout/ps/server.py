@@ -251,12 +251,12 @@ class ParameterServer:
         """`values` copied into a free buffer of this client's inbox for shard `slot`, when
         the shard shares this node; None: send them through the object store. A buffer is
         free once the push it carried has been acknowledged."""
-        if self._view(slot) is None:
+        view = self._view(slot)
+        if view is None:
             return None
         inbox = self._inboxes[slot]
-        if inbox is None:
-            node = ray.get_runtime_context().get_node_id()
-            inbox = self._inboxes[slot] = shared.Inbox(values.size, node)
+        if inbox is None:  # on the shard's node, which `_view` found to be ours
+            inbox = self._inboxes[slot] = shared.Inbox(values.size, view.ref.node)
         unacked = self._unacked[slot]
         return inbox.put(torch.from_numpy(values), lambda push: any(p is push for p in unacked))
 

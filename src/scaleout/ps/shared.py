@@ -68,6 +68,10 @@ class SharedSlice:
     def nbytes(self) -> int:
         return 4 * self.numel
 
+    def of(self, values: torch.Tensor) -> torch.Tensor:
+        """This slice of a region's `values` (numel,)."""
+        return values[self.offset : self.offset + self.numel]
+
 
 def _map(path: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(header as int64, values as float32) of the region file at `path`."""
@@ -177,7 +181,7 @@ class Inbox:
 
     def values(self, piece: SharedSlice) -> torch.Tensor:
         """The values `piece` (of this inbox) names (numel,)."""
-        return self.region.values[piece.offset : piece.offset + piece.numel]
+        return piece.of(self.region.values)
 
     def put(self, grad: torch.Tensor, in_flight: Callable[[object], bool]) -> SharedSlice | None:
         """Copy `grad` (numel,) into the next buffer whose last push is not `in_flight`;
@@ -187,8 +191,9 @@ class Inbox:
             last = self.sent_with[index]
             if last is None or not in_flight(last):
                 self.next = (index + 1) % self.count
-                self.region.values[index * self.numel : (index + 1) * self.numel].copy_(grad)
-                return SharedSlice(self.region.ref, index * self.numel, self.numel)
+                piece = SharedSlice(self.region.ref, index * self.numel, self.numel)
+                piece.of(self.region.values).copy_(grad)
+                return piece
         return None
 
     def sent(self, piece: SharedSlice, push: object) -> None:
@@ -213,4 +218,4 @@ class Views:
             if len(self._views) > self.limit:
                 oldest = next(iter(self._views))
                 self._views.pop(oldest).close()
-        return view.values[piece.offset : piece.offset + piece.numel]
+        return piece.of(view.values)
