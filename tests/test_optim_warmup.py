@@ -31,7 +31,7 @@ def model():
 def test_warmup_equals_torch_lambda_lr():
     ours_model, ref_model = model(), model()
     ours = build_optimizer(ours_model.parameters(), OptimizerSpec("adagrad", 0.1, warmup_steps=7))
-    ref = torch.optim.Adagrad(ref_model.parameters(), lr=0.1)
+    ref = torch.optim.Adagrad(ref_model.parameters(), lr=0.1, fused=True)  # as ours on the CPU
     schedule = LambdaLR(ref, lambda k: min(1.0, (k + 1) / 7))
     g = torch.Generator().manual_seed(1)
     for _ in range(12):
@@ -106,3 +106,19 @@ def test_adagrad_loss_no_longer_blows_up_at_the_start():
     cold, warm = losses(0), losses(None)
     assert cold[1] > 1.5 * cold[0]
     assert all(b < a for a, b in zip(warm, warm[1:], strict=False))
+
+
+def test_adagrad_and_adam_step_fused_on_the_cpu_and_equal_torch_fused():
+    """`build_optimizer` picks torch's one-pass kernels where they exist; the steps equal
+    torch.optim's fused ones bit for bit (the unfused ones differ by an ulp)."""
+    for name, cls in (("adagrad", torch.optim.Adagrad), ("adam", torch.optim.Adam)):
+        ours_model, ref_model = model(), model()
+        ours = build_optimizer(ours_model.parameters(), OptimizerSpec(name, 0.1, warmup_steps=0))
+        assert ours.defaults["fused"] is True
+        ref = cls(ref_model.parameters(), lr=0.1, fused=True)
+        run(ours, ours_model, 5)
+        run(ref, ref_model, 5)
+        for a, b in zip(ours_model.parameters(), ref_model.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    sgd = build_optimizer(model().parameters(), OptimizerSpec("sgd", 0.1))
+    assert not sgd.defaults.get("fused")  # SGD's fused step is no faster here

@@ -89,7 +89,6 @@ class ParameterShard:
         self.region = _region(numel, shard_id)
         self.param = nn.Parameter(self.region.values if self.region else torch.zeros(numel))
         self.inboxes = shared.Views()  # the clients' inboxes their pushes name
-        self.param.grad = torch.zeros_like(self.param)
         self.optimizer = build_optimizer([self.param], optimizer)
         self.version = 0
         self.checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
@@ -185,8 +184,11 @@ class ParameterShard:
             )
         staleness = self.version - base_version
         with self._writing():
-            self.param.grad.copy_(grad)
+            # stepped where the gradient lies (a client's inbox, Ray's store, a decoded
+            # tensor): the optimizers only read it, and a 3.7 MB copy costs ~0.6 ms cold
+            self.param.grad = grad
             self.optimizer.step()
+            self.param.grad = None
             self.version += 1
             self._publish()
         if client:
