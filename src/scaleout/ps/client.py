@@ -15,7 +15,8 @@ their `.grad` become views of two flat buffers, `FlatParameters`: no copies), an
 `n_push` steps the client sends each shard its slice and goes on without waiting for the
 shards to apply it; the results of a push (new versions, staleness) are collected at the
 next one. Do not call `optimizer.zero_grad()` or `model.zero_grad()`: the client zeroes the
-buffer after each push.
+buffer after each push (on a node it shares with shards, a replica alternates between two
+buffers in shared memory that its pushes name where they lie: `ParameterServer.gradient_buffer`).
 
 `lanes` pairs parameters with the server that holds them: several servers when parameter
 groups step differently (e.g. the sparse autoencoder's alpha on a shard of its own with a
@@ -176,7 +177,7 @@ class ReplicaClient:
                 [lane.versions for lane in self.lanes],
                 record,
             )
-            self._zero()  # the payloads were copied into the object store
+            self._zero(swap=True)  # the shards may still read the buffer just pushed
         self._seconds["push"] += time.perf_counter() - started
         if self._probe is not None:
             self._measure_window(started, record)
@@ -204,8 +205,17 @@ class ReplicaClient:
             if decided:
                 self._pipeline = _Pipeline(self)
 
-    def _zero(self) -> None:
+    def _zero(self, swap: bool = False) -> None:
+        """Zero the gradient buffers after a push; `swap`: first move each lane to another
+        buffer where the push named the one in use (the next gradient adds up in a free
+        shared buffer, or in the lane's own memory)."""
         for lane in self.lanes:
+            if swap:
+                flat = lane.flat
+                shared = lane.server.gradient_buffer(flat.grads)
+                usable = shared is not None and shared.dtype == flat.grads.dtype
+                usable = usable and shared.device == flat.grads.device
+                flat.use_grads(shared if usable else flat.own_grads)
             lane.flat.zero_grads()
         if self.after_push is not None:
             self.after_push()

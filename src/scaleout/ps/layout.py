@@ -2,7 +2,9 @@
 
 `FlatParameters` re-points every parameter (and its gradient) of a model at a slice of two
 contiguous buffers, so a fetch from the shards is a copy into `params` and a push is a slice
-of `grads` — no per-tensor flattening on the hot path. Autograd accumulates into the
+of `grads` — no per-tensor flattening on the hot path. `use_grads` moves the gradients to
+another buffer (a replica alternates between two in shared memory, so the shards read a
+push where it lies while the next gradient adds up in the other). Autograd accumulates into the
 existing `.grad` views in place, so gradients of several steps add up in `grads` until they
 are pushed and zeroed.
 
@@ -70,6 +72,20 @@ class FlatParameters:
             p.data = view
             p.grad = self.grads[entry.offset : entry.offset + entry.numel].view(entry.shape)
         self._params = [p for _, p in named]
+        self.own_grads = self.grads  # where `grads` points unless `use_grads` moved it
+
+    def use_grads(self, grads: torch.Tensor) -> None:
+        """Point every parameter's `.grad` into `grads` (P,) from now on (e.g. a buffer in
+        shared memory a push names where it lies); its values are kept."""
+        own = self.own_grads
+        if grads.shape != own.shape or grads.dtype != own.dtype or grads.device != own.device:
+            raise ValueError(
+                f"a gradient buffer must be {tuple(own.shape)} {own.dtype} on {own.device}, "
+                f"got {tuple(grads.shape)} {grads.dtype} on {grads.device}"
+            )
+        self.grads = grads
+        for entry, p in zip(self.entries, self._params, strict=True):
+            p.grad = grads[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
     def zero_grads(self) -> None:
         """Zero the gradient buffer in place (the parameters keep their views)."""

@@ -8,8 +8,9 @@ The object is small and serialisable, so the driver hands it to every replica.
 
 A shard on the caller's node is reached through shared memory (`scaleout.ps.shared`,
 `shared_memory=True`): a pull copies its slice under its lock, without a call; a push
-copies the gradient into this client's inbox and calls the shard with where it lies. A
-shard found dead there is asked through Ray, which handles the failure.
+calls the shard with where the gradient lies in this client's shared memory: in the
+buffer the replica accumulated it in (`gradient_buffer`), or in an inbox it is copied
+into. A shard found dead there is asked through Ray, which handles the failure.
 """
 
 from __future__ import annotations
@@ -32,12 +33,10 @@ from scaleout.nn.optim import OptimizerOptions
 from scaleout.ps import shared
 from scaleout.ps.backup import BackupKeeper, BackupPolicy, shard_nodes
 from scaleout.ps.layout import shard_ranges
+from scaleout.ps.nearby import RETRY_SECONDS, NearbyShards
 from scaleout.ps.shard import ParameterShard, ShardLost
 from scaleout.ps.wire import Wire
 from scaleout.runtime import kill, reraise_user_error, spawn
-
-# A shard restarted by Ray takes a few seconds to come back; callers retry this long.
-RETRY_SECONDS = 120.0
 
 
 @dataclass
@@ -53,7 +52,7 @@ class Push:
     shard: Any = None  # the actor it was sent to last
 
 
-class ParameterServer:
+class ParameterServer(NearbyShards):
     """The client side of S shards holding one flat vector (`ranges[i]` on shard i).
 
     Each copy of the object (the driver's, each replica's) is one client with its own id:
@@ -87,9 +86,7 @@ class ParameterServer:
         self._initial: torch.Tensor | None = None  # until every shard holds its slice
         self._pending: list[Any] = []
         self.shared_memory = shared_memory and shared.available()
-        self._views: list[shared.RegionView | None] = [None] * len(shards)
-        self._view_for: list[Any] = [None] * len(shards)  # the shard handle each was asked
-        self._inboxes: list[shared.Inbox | None] = [None] * len(shards)
+        self._init_nearby()
 
     @classmethod
     def create(
@@ -215,79 +212,28 @@ class ParameterServer:
             received += Wire.nbytes(payload)
         return versions, received
 
-    # --- shared memory with the shards on this node -----------------------------------------
-
-    def _view(self, slot: int) -> shared.RegionView | None:
-        """Shard `slot`'s slice mapped, when it shares this node (asked once per shard)."""
-        if not self.shared_memory:
-            return None
-        with self._lock:  # a replica's fetch and push threads both ask
-            shard = self.shards[slot]
-            if self._view_for[slot] is not shard:
-                self._forget(slot)
-                try:
-                    ref = ray.get(shard.region_ref.remote(), timeout=RETRY_SECONDS)
-                except (RayActorError, RayTaskError, GetTimeoutError):
-                    return None  # the call through Ray meets the failure and handles it
-                node = ray.get_runtime_context().get_node_id()
-                self._views[slot], self._view_for[slot] = shared.open_view(ref, node), shard
-            return self._views[slot]
-
-    def _wait_applied(self, slot: int) -> None:
-        """Until shard `slot` has taken this client's pushes so far: a pull sees them, as a
-        call queued behind them at the shard would (a failed one is handled where it is
-        settled)."""
-        with self._lock:
-            futures = [push.future for push in self._unacked[slot]]
-        if futures:
-            ray.wait(futures, num_returns=len(futures), fetch_local=False)
-
-    def _forget(self, slot: int) -> None:
-        view, self._views[slot], self._view_for[slot] = self._views[slot], None, None
-        if view is not None:
-            view.close()
-
-    def _in_inbox(self, slot: int, values: np.ndarray) -> shared.SharedSlice | None:
-        """`values` copied into a free buffer of this client's inbox for shard `slot`, when
-        the shard shares this node; None: send them through the object store. A buffer is
-        free once the push it carried has been acknowledged."""
-        view = self._view(slot)
-        if view is None:
-            return None
-        inbox = self._inboxes[slot]
-        if inbox is None:  # on the shard's node, which `_view` found to be ours
-            inbox = self._inboxes[slot] = shared.Inbox(values.size, view.ref.node)
-        unacked = self._unacked[slot]
-        return inbox.put(torch.from_numpy(values), lambda push: any(p is push for p in unacked))
-
-    def _materialize(self, push: Push) -> None:
-        """A push sent again may reach a successor on another node: its gradient goes into
-        the object store (its inbox buffer is kept until it is acknowledged)."""
-        if isinstance(push.payload, shared.SharedSlice):
-            inbox = self._inboxes[push.slot]
-            assert inbox is not None
-            push.payload = ray.put(inbox.values(push.payload).numpy())
-
     def push(self, grads: torch.Tensor, base_versions: list[int]) -> tuple[list[Push], int]:
         """Send each shard its slice of `grads` (P,); return (pushes, bytes sent) at once.
         `settle(pushes)` waits for the shards to apply them."""
         pushes, sent = [], 0
+        with self._lock:
+            gradients = self._gradients
+            buffer = gradients.index_of(grads) if gradients is not None else None
         for slot, ((start, stop), version) in enumerate(
             zip(self.ranges, base_versions, strict=True)
         ):
             payload = self.wire.encode(grads[start:stop], key=slot)  # key: the shard
             self.seqs[slot] += 1
             with self._lock:
-                # Copied now (into our inbox, or the object store): the payload may view the
-                # caller's gradient buffer, which is zeroed and refilled before a push sent
-                # again after a failure.
-                local = self._in_inbox(slot, payload) if isinstance(payload, np.ndarray) else None
+                # Where the shard finds it until it is acknowledged: our gradient buffer
+                # (handed out again only then), our inbox, or the object store. Not the
+                # caller's own memory: that is zeroed and refilled before a push sent again
+                # after a failure.
+                local = self._shared_piece(slot, payload, buffer)
                 ref = local if local is not None else ray.put(payload)
                 push = Push(slot, ref, version, self.seqs[slot], None)
-                if local is not None:  # its buffer stays ours until the push is acknowledged
-                    inbox = self._inboxes[slot]
-                    assert inbox is not None
-                    inbox.sent(local, push)
+                if local is not None:
+                    self._inbox_of(local, slot).sent(local, push, self._in_flight)
                 self._send(push)
                 self._unacked[slot].append(push)
             pushes.append(push)

@@ -9,10 +9,12 @@ window of 3 steps of 18 ms).
 
 Where a replica and a shard share a node, the shard keeps its slice in an anonymous shared
 file (`os.memfd_create`) that the replica maps: a pull is one copy under a shared lock, with
-no call and no other process scheduled. A push is a copy into the client's own shared inbox
-and a small call that names where the gradient lies (`SharedSlice`); the shard reads it
-from there. Another process opens such a file as `/proc/<pid>/fd/<fd>` (same user), so
-nothing is left behind when processes die: the kernel frees the memory with its last user.
+no call and no other process scheduled. A push is a small call that names where the
+gradient lies in the client's own shared inbox (`SharedSlice`); the shard reads it from
+there. A replica accumulates its gradient in such an inbox itself (two buffers in turn),
+so its push copies nothing; a gradient from elsewhere is copied in first. Another process
+opens such a file as `/proc/<pid>/fd/<fd>` (same user), so nothing is left behind when
+processes die: the kernel frees the memory with its last user.
 
 Locks (`flock`, per open file): the owner holds its region's lock exclusively while it
 changes the values (an optimizer step, a restore) and their version, and a reader holds it
@@ -169,36 +171,71 @@ def open_view(ref: RegionRef | None, node: str) -> RegionView | None:
 
 
 class Inbox:
-    """A client's gradients for one shard, in `count` buffers of `numel` values used in
-    turn. A buffer is written again only once the push it was sent with is no longer in
-    flight (`put`'s `in_flight`), so a push sent again after a failure still finds it."""
+    """A client's gradients in `count` shared buffers of `numel` values: a push names its
+    slices where they lie (`SharedSlice`). A buffer is handed out again (`take`) only once
+    no push that named it is in flight (`in_flight`), so a push sent again after a failure
+    still finds its values.
+
+    Filled in one of two ways: `put` copies a gradient (of any tensor) into a free buffer;
+    a client that accumulates its gradient in a buffer itself (`take`, then `buffer`: the
+    parameters' `.grad` point into it) pushes its slices with no copy (`piece`)."""
 
     def __init__(self, numel: int, node: str, count: int = 3) -> None:
         self.region = Region(numel * count, node, "scaleout-inbox")
         self.numel, self.count = numel, count
         self.next = 0
-        self.sent_with: list[object | None] = [None] * count  # each buffer's last push
+        self.sent_with: list[list[object]] = [[] for _ in range(count)]  # pushes per buffer
+
+    def buffer(self, index: int) -> torch.Tensor:
+        """Buffer `index` (numel,)."""
+        return self.region.values[index * self.numel : (index + 1) * self.numel]
+
+    def index_of(self, values: torch.Tensor) -> int | None:
+        """Which buffer `values` (numel,) is; None: not one of ours."""
+        if values.numel() != self.numel or values.dtype != torch.float32:
+            return None
+        for index in range(self.count):
+            if values.data_ptr() == self.buffer(index).data_ptr():
+                return index
+        return None
+
+    def take(self, in_flight: Callable[[object], bool], besides: int | None = None) -> int | None:
+        """The next buffer in turn (not `besides`) that no push in flight names, or None."""
+        for k in range(self.count):
+            index = (self.next + k) % self.count
+            if index != besides and not any(in_flight(p) for p in self.sent_with[index]):
+                self.next = (index + 1) % self.count
+                self.sent_with[index] = []
+                return index
+        return None
+
+    def piece(self, index: int, start: int = 0, stop: int | None = None) -> SharedSlice:
+        """Values [start, stop) of buffer `index`, to send."""
+        stop = self.numel if stop is None else stop
+        return SharedSlice(self.region.ref, index * self.numel + start, stop - start)
+
+    def put(self, grad: torch.Tensor, in_flight: Callable[[object], bool]) -> SharedSlice | None:
+        """Copy `grad` (numel,) into a buffer no push in flight names; the slice to send
+        (`sent(slice, push)` then), or None when every buffer is named."""
+        index = self.take(in_flight)
+        if index is None:
+            return None
+        self.buffer(index).copy_(grad)
+        return self.piece(index)
+
+    def sent(
+        self, piece: SharedSlice, push: object, in_flight: Callable[[object], bool] | None = None
+    ) -> None:
+        """`piece`'s buffer is named by `push` now (and, given `in_flight`, no longer by
+        the pushes that have landed: a buffer pushed from again and again keeps no list)."""
+        index = piece.offset // self.numel
+        if in_flight is not None:
+            self.sent_with[index] = [p for p in self.sent_with[index] if in_flight(p)]
+        self.sent_with[index].append(push)
 
     def values(self, piece: SharedSlice) -> torch.Tensor:
         """The values `piece` (of this inbox) names (numel,)."""
         return piece.of(self.region.values)
-
-    def put(self, grad: torch.Tensor, in_flight: Callable[[object], bool]) -> SharedSlice | None:
-        """Copy `grad` (numel,) into the next buffer whose last push is not `in_flight`;
-        the slice to send (`sent(slice, push)` then), or None when every buffer is."""
-        for k in range(self.count):
-            index = (self.next + k) % self.count
-            last = self.sent_with[index]
-            if last is None or not in_flight(last):
-                self.next = (index + 1) % self.count
-                piece = SharedSlice(self.region.ref, index * self.numel, self.numel)
-                piece.of(self.region.values).copy_(grad)
-                return piece
-        return None
-
-    def sent(self, piece: SharedSlice, push: object) -> None:
-        """`piece`'s buffer now carries `push`."""
-        self.sent_with[piece.offset // self.numel] = push
 
 
 class Views:

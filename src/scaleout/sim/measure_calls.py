@@ -204,8 +204,12 @@ def measure_shard_messages(
                 torch.zeros(size), 1, TrainSection(optimizer="sgd"), resource=resource
             )
             servers.append(server)
-            out, grad = torch.empty(size), torch.randn(size)
+            out = torch.empty(size)
             server.pull_into(out)
+            # a replica's gradient: in the buffer the server shares with the shard on this
+            # node, which a push names where it lies (elsewhere: copied or sent)
+            buffer = server.gradient_buffer()
+            grad = (buffer if buffer is not None else torch.empty(size)).normal_()
 
             def pull(s: ParameterServer = server, o: torch.Tensor = out) -> None:
                 s.pull_into(o)  # the caller waits for all of it
