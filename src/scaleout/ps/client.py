@@ -15,8 +15,9 @@ their `.grad` become views of two flat buffers, `FlatParameters`: no copies), an
 `n_push` steps the client sends each shard its slice and goes on without waiting for the
 shards to apply it; the results of a push (new versions, staleness) are collected at the
 next one. Do not call `optimizer.zero_grad()` or `model.zero_grad()`: the client zeroes the
-buffer after each push (on a node it shares with shards, a replica alternates between two
-buffers in shared memory that its pushes name where they lie: `ParameterServer.gradient_buffer`).
+buffer after each push (on a node it shares with shards, it moves the gradient to another
+buffer in shared memory instead: the push names the one it filled where it lies,
+`ParameterServer.gradient_buffer`).
 
 `lanes` pairs parameters with the server that holds them: several servers when parameter
 groups step differently (e.g. the sparse autoencoder's alpha on a shard of its own with a
@@ -166,7 +167,7 @@ class ReplicaClient:
         record.update({f"{k}_s": round(v, 6) for k, v in self._seconds.items()})
         self._seconds = dict.fromkeys(self._seconds, 0.0)
         if self._pipeline is not None:
-            grads = [lane.flat.grads.clone() for lane in self.lanes]
+            grads = [self._hand_over(lane) for lane in self.lanes]
             versions = [list(lane.versions) for lane in self.lanes]
             self._zero()
             self._pipeline.push(grads, versions, record)
@@ -206,19 +207,31 @@ class ReplicaClient:
                 self._pipeline = _Pipeline(self)
 
     def _zero(self, swap: bool = False) -> None:
-        """Zero the gradient buffers after a push; `swap`: first move each lane to another
-        buffer where the push named the one in use (the next gradient adds up in a free
-        shared buffer, or in the lane's own memory)."""
+        """Zero the gradient buffers after a push; `swap`: first move each lane to a free
+        buffer in shared memory (the shards may still read the one just pushed), or to
+        its own memory."""
         for lane in self.lanes:
             if swap:
-                flat = lane.flat
-                shared = lane.server.gradient_buffer(flat.grads)
-                usable = shared is not None and shared.dtype == flat.grads.dtype
-                usable = usable and shared.device == flat.grads.device
-                flat.use_grads(shared if usable else flat.own_grads)
+                buffer = _shared_buffer(lane)
+                lane.flat.use_grads(buffer if buffer is not None else lane.flat.own_grads)
             lane.flat.zero_grads()
         if self.after_push is not None:
             self.after_push()
+
+    @staticmethod
+    def _hand_over(lane: Lane) -> torch.Tensor:
+        """The lane's gradient for the push thread: its shared buffer itself where another
+        is free to go on in (the push names it where it lies), else a copy (the lane's own
+        memory is zeroed and refilled before the push thread sends it)."""
+        flat = lane.flat
+        buffer = _shared_buffer(lane)
+        if flat.grads is flat.own_grads or buffer is None:
+            grads = flat.grads.clone()
+        else:
+            grads = flat.grads
+        if buffer is not None:
+            flat.use_grads(buffer)
+        return grads
 
     def _send(
         self, grads: list[torch.Tensor], versions: list[list[int]], record: dict[str, Any]
@@ -289,6 +302,15 @@ class ReplicaClient:
             self._pipeline = None
 
 
+def _shared_buffer(lane: Lane) -> torch.Tensor | None:
+    """A buffer in shared memory for the lane's next gradient (`gradient_buffer`), where
+    its parameters are float32 on the CPU; None: go on in its own memory."""
+    own = lane.flat.own_grads
+    if own.dtype != torch.float32 or own.device.type != "cpu":
+        return None
+    return lane.server.gradient_buffer()
+
+
 def _ready(future: Any) -> bool:  # noqa: ANN401
     done, _ = ray.wait([future], timeout=0)
     return bool(done)
@@ -338,11 +360,13 @@ class _Pipeline:
         if self.steps_on_current >= 2 * self.client.n_fetch:
             self._wait_fresh()
         with self.lock:
-            if self.fresh_versions is not None:
-                for lane, fresh, versions in zip(
-                    self.client.lanes, self.fresh, self.fresh_versions, strict=True
+            if self.fresh_versions is not None:  # the buffers trade places, no copy
+                for i, (lane, versions) in enumerate(
+                    zip(self.client.lanes, self.fresh_versions, strict=True)
                 ):
-                    lane.flat.params.copy_(fresh)
+                    in_use = lane.flat.params
+                    lane.flat.use_params(self.fresh[i])
+                    self.fresh[i] = in_use
                     lane.versions = versions
                 self.fresh_versions = None
                 self.fresh_ready.clear()
@@ -387,9 +411,8 @@ class _Pipeline:
                     with self.lock:
                         client._received += received
                         client.stats["bytes_received"] += received
-                with self.lock:
-                    for fresh, buffer in zip(self.fresh, buffers, strict=True):
-                        fresh.copy_(buffer)
+                with self.lock:  # the buffers become the fresh ones, no copy
+                    self.fresh, buffers = buffers, self.fresh
                     self.fresh_versions = fetched
                     client.stats["pulls"] += 1
                     self.fresh_ready.set()

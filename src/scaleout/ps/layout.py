@@ -3,8 +3,9 @@
 `FlatParameters` re-points every parameter (and its gradient) of a model at a slice of two
 contiguous buffers, so a fetch from the shards is a copy into `params` and a push is a slice
 of `grads` — no per-tensor flattening on the hot path. `use_grads` moves the gradients to
-another buffer (a replica alternates between two in shared memory, so the shards read a
-push where it lies while the next gradient adds up in the other). Autograd accumulates into the
+another buffer (a replica moves between buffers in shared memory, so the shards read a
+push where it lies while the next gradient adds up in another), and `use_params` the
+parameters (a fetch thread's fresh values adopted without a copy). Autograd accumulates into the
 existing `.grad` views in place, so gradients of several steps add up in `grads` until they
 are pushed and zeroed.
 
@@ -77,15 +78,26 @@ class FlatParameters:
     def use_grads(self, grads: torch.Tensor) -> None:
         """Point every parameter's `.grad` into `grads` (P,) from now on (e.g. a buffer in
         shared memory a push names where it lies); its values are kept."""
-        own = self.own_grads
-        if grads.shape != own.shape or grads.dtype != own.dtype or grads.device != own.device:
-            raise ValueError(
-                f"a gradient buffer must be {tuple(own.shape)} {own.dtype} on {own.device}, "
-                f"got {tuple(grads.shape)} {grads.dtype} on {grads.device}"
-            )
+        self._check("gradient", grads)
         self.grads = grads
         for entry, p in zip(self.entries, self._params, strict=True):
             p.grad = grads[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    def use_params(self, params: torch.Tensor) -> None:
+        """Point every parameter into `params` (P,) from now on (a fetch thread's fresh
+        buffer, adopted without a copy); between steps only, with no graph alive."""
+        self._check("parameter", params)
+        self.params = params
+        for entry, p in zip(self.entries, self._params, strict=True):
+            p.data = params[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    def _check(self, what: str, buffer: torch.Tensor) -> None:
+        own = self.own_grads
+        if buffer.shape != own.shape or buffer.dtype != own.dtype or buffer.device != own.device:
+            raise ValueError(
+                f"a {what} buffer must be {tuple(own.shape)} {own.dtype} on {own.device}, "
+                f"got {tuple(buffer.shape)} {buffer.dtype} on {buffer.device}"
+            )
 
     def zero_grads(self) -> None:
         """Zero the gradient buffer in place (the parameters keep their views)."""

@@ -5,10 +5,11 @@ client uses them. Per shard on its node it maps the shard's slice once (`_view`,
 through Ray for where it lies, again after a failover or a restart), and a pull copies from
 there after the shard has applied this client's own pushes (`_wait_applied`). A push names
 where the shard finds its slice (`_shared_piece`): in the gradient buffer the replica
-accumulated it in (`gradient_buffer`: two in turn), or in a per-shard inbox it is copied
-into. A buffer is handed out or written again only once no push in flight names it
-(`_in_flight`); a push sent again after a failure goes through the object store instead
-(`_materialize`), since its successor may be on another node.
+accumulated it in (`gradient_buffer`: one in use, the others pushed or waiting for the
+push thread), or in a per-shard inbox it is copied into. A buffer is handed out or written
+again only once no push in flight names it (`_in_flight`); a push sent again after a
+failure goes through the object store instead (`_materialize`), since its successor may be
+on another node.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from scaleout.ps.wire import Payload
 if TYPE_CHECKING:
     from scaleout.ps.server import Push
 
+GRADIENT_BUFFERS = 4  # per client (`gradient_buffer`)
 # A shard restarted by Ray takes a few seconds to come back; callers retry this long.
 RETRY_SECONDS = 120.0
 
@@ -96,11 +98,11 @@ class NearbyShards:
             inbox = self._inboxes[slot] = shared.Inbox(values.size, view.ref.node)
         return inbox.put(torch.from_numpy(values), self._in_flight)
 
-    def gradient_buffer(self, current: torch.Tensor | None = None) -> torch.Tensor | None:
+    def gradient_buffer(self) -> torch.Tensor | None:
         """A buffer (P,) in this client's shared memory to accumulate the next gradient in
-        (its values as last left): `push` then names the slices of the shards on this node
-        where they lie, with no copy. None where no shard shares this node, or while every
-        buffer but `current` (the one in use) is named by a push in flight."""
+        (its values as last left): `push` names the slices of the shards on this node where
+        they lie, with no copy, and hands the buffer back. None where no shard shares this
+        node, or while every buffer is handed out or named by a push in flight."""
         if not self.shared_memory:
             return None
         with self._lock:
@@ -110,10 +112,10 @@ class NearbyShards:
                 if not local:
                     return None
                 numel = self.ranges[-1][1]
-                self._gradients = shared.Inbox(numel, local[0].ref.node, count=2)
+                # one in use, two queued for a replica's push thread, one in flight
+                self._gradients = shared.Inbox(numel, local[0].ref.node, GRADIENT_BUFFERS)
             gradients = self._gradients
-            besides = gradients.index_of(current) if current is not None else None
-            index = gradients.take(self._in_flight, besides)
+            index = gradients.take(self._in_flight, hold=True)
             return None if index is None else gradients.buffer(index)
 
     def _shared_piece(

@@ -238,6 +238,10 @@ class ParameterServer(NearbyShards):
                 self._unacked[slot].append(push)
             pushes.append(push)
             sent += Wire.nbytes(payload)
+        if buffer is not None:
+            with self._lock:  # its pushes name it now
+                assert gradients is not None
+                gradients.release(buffer)
         return pushes, sent
 
     def _send(self, push: Push) -> None:

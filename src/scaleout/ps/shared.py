@@ -177,14 +177,16 @@ class Inbox:
     still finds its values.
 
     Filled in one of two ways: `put` copies a gradient (of any tensor) into a free buffer;
-    a client that accumulates its gradient in a buffer itself (`take`, then `buffer`: the
-    parameters' `.grad` point into it) pushes its slices with no copy (`piece`)."""
+    a client that accumulates its gradient in a buffer itself (`take(hold=True)`, then
+    `buffer`: the parameters' `.grad` point into it) pushes its slices with no copy
+    (`piece`), then `release`s it."""
 
     def __init__(self, numel: int, node: str, count: int = 3) -> None:
         self.region = Region(numel * count, node, "scaleout-inbox")
         self.numel, self.count = numel, count
         self.next = 0
         self.sent_with: list[list[object]] = [[] for _ in range(count)]  # pushes per buffer
+        self.held: set[int] = set()
 
     def buffer(self, index: int) -> torch.Tensor:
         """Buffer `index` (numel,)."""
@@ -199,15 +201,24 @@ class Inbox:
                 return index
         return None
 
-    def take(self, in_flight: Callable[[object], bool], besides: int | None = None) -> int | None:
-        """The next buffer in turn (not `besides`) that no push in flight names, or None."""
+    def take(self, in_flight: Callable[[object], bool], hold: bool = False) -> int | None:
+        """The next buffer in turn that is neither held nor named by a push in flight, or
+        None. `hold`: it stays held (not handed out again) until `release`d: a client
+        accumulating in it, or a push thread not yet sending it."""
         for k in range(self.count):
             index = (self.next + k) % self.count
-            if index != besides and not any(in_flight(p) for p in self.sent_with[index]):
-                self.next = (index + 1) % self.count
-                self.sent_with[index] = []
-                return index
+            if index in self.held or any(in_flight(p) for p in self.sent_with[index]):
+                continue
+            self.next = (index + 1) % self.count
+            self.sent_with[index] = []
+            if hold:
+                self.held.add(index)
+            return index
         return None
+
+    def release(self, index: int) -> None:
+        """Buffer `index` is no longer held (its pushes, if any, name it now)."""
+        self.held.discard(index)
 
     def piece(self, index: int, start: int = 0, stop: int | None = None) -> SharedSlice:
         """Values [start, stop) of buffer `index`, to send."""
