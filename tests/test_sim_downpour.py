@@ -2,6 +2,8 @@
 against a real run's counters."""
 
 import json
+import math
+import time
 
 import pytest
 import simpy
@@ -190,6 +192,26 @@ def test_the_wait_per_call_is_what_the_measured_step_needs():
     assert call_wait_s(step_s, shared, *args) == 0.0
     none = BesideCalls(cpu_ratio=1.05, wall_ratio=1.3, pairs_per_step=0.0)
     assert call_wait_s(step_s, none, *args) == 0.0
+
+
+def test_a_wait_too_long_for_frequent_calls_stalls_the_step_and_the_search_ends():
+    """Cheap calls, many a step (as through shared memory): a wait per call of 1 ms, 4
+    calls a pair and 8 pairs a step leave the step no time; the engine says so (inf) at
+    once, and `call_wait_s` still finds the wait below that."""
+    from scaleout.sim.measure_beside import BesideCalls, _simulated_step, call_wait_s, paced_pairs
+
+    cheap = MessageCost(fixed_s=2e-5, bytes_per_s=2e10)
+    nbytes, apply_s, step_s = 400_000, 1e-4, 0.015
+    measured = BesideCalls(cpu_ratio=1.0, wall_ratio=1.15, pairs_per_step=8.0)
+    pair = paced_pairs(cheap, cheap, apply_s, nbytes, step_s * 1.15 / 8)
+    started = time.perf_counter()
+    assert _simulated_step(step_s, measured, 1e-3, pair, 2, 0.0) == math.inf
+    found = call_wait_s(step_s, measured, cheap, cheap, apply_s, nbytes, 2, 0.0)
+    assert time.perf_counter() - started < 30
+    assert 0 < found < 1e-3
+    assert _simulated_step(step_s, measured, found, pair, 2, 0.0) == pytest.approx(
+        1.15 * step_s, rel=1e-3
+    )
 
 
 def test_threads_share_cores_and_a_transfer_pays_both_ends():
