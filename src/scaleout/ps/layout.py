@@ -2,12 +2,12 @@
 
 `FlatParameters` re-points every parameter (and its gradient) of a model at a slice of two
 contiguous buffers, so a fetch from the shards is a copy into `params` and a push is a slice
-of `grads` — no per-tensor flattening on the hot path. `use_grads` moves the gradients to
-another buffer (a replica moves between buffers in shared memory, so the shards read a
-push where it lies while the next gradient adds up in another), and `use_params` the
-parameters (a fetch thread's fresh values adopted without a copy). Autograd accumulates into the
+of `grads` — no per-tensor flattening on the hot path. Autograd accumulates into the
 existing `.grad` views in place, so gradients of several steps add up in `grads` until they
-are pushed and zeroed.
+are pushed and zeroed. `use_grads` moves the gradients to another buffer (a replica moves
+between buffers in shared memory, so the shards read a push where it lies while the next
+gradient adds up in another), and `use_params` the parameters (a fetch thread's fresh
+values adopted without a copy).
 
 `shard_ranges` cuts the vector into S contiguous ranges of near-equal size; a parameter may
 span two shards.

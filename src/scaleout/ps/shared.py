@@ -11,10 +11,10 @@ Where a replica and a shard share a node, the shard keeps its slice in an anonym
 file (`os.memfd_create`) that the replica maps: a pull is one copy under a shared lock, with
 no call and no other process scheduled. A push is a small call that names where the
 gradient lies in the client's own shared inbox (`SharedSlice`); the shard reads it from
-there. A replica accumulates its gradient in such an inbox itself (two buffers in turn),
-so its push copies nothing; a gradient from elsewhere is copied in first. Another process
-opens such a file as `/proc/<pid>/fd/<fd>` (same user), so nothing is left behind when
-processes die: the kernel frees the memory with its last user.
+there. A replica accumulates its gradient in such an inbox itself (in one buffer while the
+shards read the others), so its push copies nothing; a gradient from elsewhere is copied
+in first. Another process opens such a file as `/proc/<pid>/fd/<fd>` (same user), so
+nothing is left behind when processes die: the kernel frees the memory with its last user.
 
 Locks (`flock`, per open file): the owner holds its region's lock exclusively while it
 changes the values (an optimizer step, a restore) and their version, and a reader holds it
