@@ -122,3 +122,12 @@ def test_adagrad_and_adam_step_fused_on_the_cpu_and_equal_torch_fused():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     sgd = build_optimizer(model().parameters(), OptimizerSpec("sgd", 0.1))
     assert not sgd.defaults.get("fused")  # SGD's fused step is no faster here
+
+
+def test_a_group_of_a_generator_keeps_its_parameters():
+    """`{"params": model.parameters()}` (a generator) is looked at for the fused step and
+    still handed to torch whole."""
+    net = model()
+    opt = build_optimizer([{"params": net.parameters()}], OptimizerSpec("adagrad", 0.1))
+    assert [len(g["params"]) for g in opt.param_groups] == [len(list(net.parameters()))]
+    assert opt.defaults["fused"] is True

@@ -99,7 +99,7 @@ def _torch_optimizer(
     params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], options: OptimizerOptions
 ) -> torch.optim.Optimizer:
     lr, decay = options.lr, options.weight_decay
-    params = list(params)  # looked at by `_fused`, then given to torch
+    params = [_listed(p) for p in params]  # looked at by `_fused`, then given to torch
     match options.optimizer:
         case "sgd":
             return torch.optim.SGD(params, lr=lr, weight_decay=decay)
@@ -112,6 +112,15 @@ def _torch_optimizer(
         case "adam":
             return torch.optim.Adam(params, lr=lr, weight_decay=decay, fused=_fused(params))
     raise ValueError(f"train.optimizer = {options.optimizer!r} is not an optimizer")
+
+
+def _listed(param: Any) -> Any:  # noqa: ANN401 - a parameter or a group
+    """A parameter as it is; a group with its parameters in a list (a generator, as in
+    `{"params": model.parameters()}`, would be spent by `_fused` before torch saw it)."""
+    if not isinstance(param, dict):
+        return param
+    params = param["params"]
+    return {**param, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
 
 
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has Adagrad's and Adam's one-pass kernels
