@@ -59,7 +59,7 @@ def run() -> SuiteResult:
         *transfer_notes,
         *allreduce_notes,
         *training_notes,
-        f"time per part: {spent}; the machine was shared with other jobs, so timings are noisy.",
+        f"time per part: {spent}.",
     ]
 
     def draw(path: Path) -> None:

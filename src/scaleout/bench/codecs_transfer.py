@@ -381,7 +381,7 @@ def measure() -> tuple[list[Row], list[str], dict]:
         "fixed cost of a message incl. the acknowledgement): "
         f"{measured}; and the codec as host 0 measured it at the {RATES[0]} run: "
         f"{speed_note(speed)}.",
-        "Both hosts share this machine's 2 cores (and other engineers' jobs): encode and "
+        "Both hosts share this machine's 2 cores: encode and "
         "decode compete for them, which a real pair of machines would not.",
     ]
     return rows, notes, results
