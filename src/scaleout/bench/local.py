@@ -315,8 +315,8 @@ def run() -> SuiteResult:
     rows: list[Row] = []
     notes = [
         f"fp32, cpu, {os.cpu_count()} cores, torch default {torch.get_num_threads()} threads; "
-        f"the machine is shared (load average {os.getloadavg()[0]:.1f} at the start): timings "
-        "are the best of interleaved runs, kernels at 1 thread and at all threads",
+        f"load average {os.getloadavg()[0]:.1f} at the start (the machine check just ran); "
+        "timings are the best of interleaved runs, kernels at 1 thread and at all threads",
         "sgemm: one dense product of the same FLOP count, (PK, F)(F, N) = W x with every block "
         "on one shared field (the paper compares all three kernels with one sgemm figure); "
         "'dense product of its own shape' stacks the per-block products of W^T y as "
