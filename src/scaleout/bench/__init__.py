@@ -112,8 +112,9 @@ def machine() -> dict[str, object]:
 
 def _check(wait: bool = False) -> dict:
     """One machine check's record (`scaleout.bench.quiet`). With `wait`, first wait until
-    the machine is idle: a suite run right after another would otherwise measure the last
-    one's Ray daemons still exiting, and report another load where there is none."""
+    the machine is idle: a check right after a run would otherwise measure that run's
+    processes still exiting (Ray's daemons, a large process freeing its memory), and
+    report another load where there is none."""
     from scaleout.bench.quiet import check, wait_idle
 
     if wait:
@@ -142,7 +143,7 @@ def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
     checked = os.environ.get("SCALEOUT_BENCH_CHECK", "1") != "0"
     before = _check(wait=True) if checked else None
     result = suite.run()
-    checks = [before, _check()] if checked else None
+    checks = [before, _check(wait=True)] if checked else None
     quiet = checks is not None and all(c["quiet"] for c in checks) and not result.contended
     notes = list(result.notes)
     if checks is None:
