@@ -110,15 +110,14 @@ def machine() -> dict[str, object]:
     }
 
 
-def _check(wait: bool = False) -> dict:
-    """One machine check's record (`scaleout.bench.quiet`). With `wait`, first wait until
-    the machine is idle: a check right after a run would otherwise measure that run's
-    processes still exiting (Ray's daemons, a large process freeing its memory), and
-    report another load where there is none."""
+def _check() -> dict:
+    """One machine check's record (`scaleout.bench.quiet`), taken once the machine is idle:
+    a check right after a run would otherwise measure that run's processes still exiting
+    (Ray's daemons, a large process freeing its memory), and report another load where
+    there is none."""
     from scaleout.bench.quiet import check, wait_idle
 
-    if wait:
-        wait_idle()
+    wait_idle()
     return check().record()
 
 
@@ -141,9 +140,9 @@ def run_suite(name: str, out_dir: Path) -> tuple[dict, Path, Path]:
     `.png` (`<name>.contended.*` when a check found another load); return the document."""
     suite = find_suite(name)
     checked = os.environ.get("SCALEOUT_BENCH_CHECK", "1") != "0"
-    before = _check(wait=True) if checked else None
+    before = _check() if checked else None
     result = suite.run()
-    checks = [before, _check(wait=True)] if checked else None
+    checks = [before, _check()] if checked else None
     quiet = checks is not None and all(c["quiet"] for c in checks) and not result.contended
     notes = list(result.notes)
     if checks is None:
