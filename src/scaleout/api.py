@@ -7,6 +7,8 @@
         model=build_model,               # optional: () -> nn.Module; overrides [model]
         data=build_data,                 # optional: () -> (train, test) Datasets; overrides [data]
         loss=None,                       # optional: (output, target) -> scalar; cross-entropy
+        metrics=None,                    # optional: (output, target) -> {name: batch mean}
+        optimizer=None,                  # optional: (params) -> torch.optim.Optimizer
         overrides=["train.lr=0.001"],    # exactly as `scaleout train --set`
     )
     result.best_test_accuracy, result.final_test_accuracy, result.steps, result.run_dir
@@ -37,6 +39,7 @@ from scaleout.errors import ConfigError, DataError
 from scaleout.factories import callable_name
 from scaleout.metrics import check_tensorboard
 from scaleout.nn.config import MODEL_SECTIONS
+from scaleout.nn.optim import OptimizerFactory
 from scaleout.progress import console
 from scaleout.rundir import RunDir
 from scaleout.runtime import session
@@ -45,6 +48,8 @@ from scaleout.train.config import RunSection, TrainSection
 from scaleout.train.driver import Driver, TrainResult
 from scaleout.train.job import CallableData, CallableModel, Job, LossFn, probe_job
 from scaleout.train.protocol import Strategy
+from scaleout.train.step import check_step_options
+from scaleout.train.user_metrics import MetricsFn
 
 __all__ = ["Run", "RunConfig", "TrainResult", "config_from_dict", "fit", "load_config", "prepare"]
 
@@ -159,10 +164,13 @@ def build_job(
     data: Any = None,  # noqa: ANN401 - () -> (train, test)
     loss: LossFn | None = None,
     source: str = "config",
+    metrics: MetricsFn | None = None,
+    optimizer: OptimizerFactory | None = None,
 ) -> Job:
-    """The job a run trains: its sections, and the model, data and loss it names or is
-    given. `config.json` records the factories' names."""
-    for name, given in (("model", model), ("data", data), ("loss", loss)):
+    """The job a run trains: its sections, and the model, data, loss, metrics and optimizer
+    it names or is given. `config.json` records the factories' names."""
+    given_fns = (("model", model), ("data", data), ("loss", loss), ("metrics", metrics))
+    for name, given in (*given_fns, ("optimizer", optimizer)):
         if given is not None and not callable(given):
             raise ConfigError(f"{name} = {given!r}: give a function (or leave it out)")
     record = config.model_dump(mode="json")
@@ -186,8 +194,9 @@ def build_job(
             f"{source}: [data] is missing: set data.dataset or data.factory = "
             "'package.module:function', or pass data= to scaleout.fit"
         )
-    if loss is not None:
-        record["train"]["loss"] = callable_name(loss)
+    for key, given in (("loss", loss), ("metrics", metrics), ("optimizer", optimizer)):
+        if given is not None:
+            record["train"][key] = callable_name(given)
     sections = {name: getattr(config, name) for name, spec in STRATEGIES.items() if spec.section}
     # Absolute on the driver: actors on other nodes (shards, replicas) write where the driver
     # reads, not into whatever directory their node's `ray start` ran in.
@@ -200,6 +209,8 @@ def build_job(
         model=model_source,
         data=data_source,
         loss=loss,
+        optimizer=optimizer,
+        metrics=metrics,
         sections=sections,
         record=record,
     )
@@ -240,6 +251,8 @@ def prepare(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    metrics: MetricsFn | None = None,
+    optimizer: OptimizerFactory | None = None,
 ) -> Run:
     """Everything `fit` does before training: validate the config, run the factories once
     (a bad one fails here, as one line), check the strategy's options, and prepare the run
@@ -247,12 +260,14 @@ def prepare(
     deleted once training starts, put back if it never does)."""
     run_config = _as_config(config, overrides)
     source = str(config) if isinstance(config, str | os.PathLike) else "config"
-    job = build_job(run_config, model, data, loss, source)
+    job = build_job(run_config, model, data, loss, source, metrics, optimizer)
     spec = STRATEGIES[run_config.train.strategy]
     if job.run.tensorboard:
         check_tensorboard()
     probe_job(job)
     strategy = spec.create(job)
+    plan = strategy.plan()
+    check_step_options(job, plan.phase_steps or plan.total_steps)
     run_dir = RunDir.prepare(
         job.run_dir, job.record, run_config.train.keep_checkpoints, resume, overwrite
     )
@@ -274,13 +289,27 @@ def fit(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    metrics: MetricsFn | None = None,
+    optimizer: OptimizerFactory | None = None,
 ) -> TrainResult:
-    """Train as `config` says, with the user's `model`, `data` and `loss` when given.
+    """Train as `config` says, with the user's `model`, `data`, `loss`, test `metrics`
+    (`fn(output, target) -> {name: batch mean}`, logged as `test_<name>`) and `optimizer`
+    (`fn(params) -> torch.optim.Optimizer`) when given.
 
     `resume` continues the run in `run.out_dir / run.name` from its last checkpoint;
     `overwrite` starts it again there (a directory that holds a run needs one of the two).
     Raises a `UserError` (one line per problem) for bad input; Ctrl-C stops at the end of
     the current chunk with a checkpoint (`result.interrupted`).
     """
-    run = prepare(config, model, data, loss, overrides, resume=resume, overwrite=overwrite)
+    run = prepare(
+        config,
+        model,
+        data,
+        loss,
+        overrides,
+        resume=resume,
+        overwrite=overwrite,
+        metrics=metrics,
+        optimizer=optimizer,
+    )
     return run.train()

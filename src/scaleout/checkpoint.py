@@ -7,6 +7,11 @@ renamed into place, tensors first: the sidecar is the commit point, so a process
 any moment leaves either the previous checkpoint or the new one, never half of one. Loading
 recomputes both checksums and refuses a file with a single flipped byte. No pickle anywhere:
 a checkpoint from an untrusted source cannot run code.
+
+Tensors that share storage (tied weights: a language model's output layer that *is* its
+embedding) are saved once, as safetensors asks: the others are recorded in the sidecar as
+aliases of the name kept, and loading gives every alias the very tensor it names, so the
+sharing comes back. A tensor that overlaps another one otherwise is saved as a copy.
 """
 
 from __future__ import annotations
@@ -59,23 +64,52 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _meta_sha256(meta: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+def _meta_sha256(meta: dict[str, Any], aliases: dict[str, str] | None = None) -> str:
+    checked: Any = meta if not aliases else {"aliases": aliases, "meta": meta}
+    return hashlib.sha256(json.dumps(checked, sort_keys=True).encode()).hexdigest()
+
+
+def unshared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each storage once: (tensors to write, {alias: name kept}). A tensor that is the same
+    view of the same storage as an earlier one is an alias of it; one that overlaps an
+    earlier one's storage otherwise is copied."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    views: dict[tuple[Any, ...], str] = {}
+    storages: set[tuple[str, int]] = set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        storage = tensor.untyped_storage()
+        if tensor.numel() == 0 or storage.data_ptr() == 0:
+            kept[name] = tensor
+            continue
+        where = (str(tensor.device), storage.data_ptr())
+        view = (*where, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if view in views:
+            aliases[name] = views[view]
+            continue
+        views[view] = name
+        kept[name] = tensor.clone() if where in storages else tensor
+        storages.add(where)
+    return kept, aliases
 
 
 def save_checkpoint(stem: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
     """Write `<stem>.safetensors` and then `<stem>.json`; return the sidecar's path."""
-    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    kept, aliases = unshared(tensors)
+    cpu = {name: t.to("cpu").contiguous() for name, t in kept.items()}
     tensor_path = stem.with_suffix(".safetensors")
     atomic_write(tensor_path, lambda tmp: _save_tensors(cpu, tmp))
     meta = json.loads(json.dumps(meta))  # JSON types only, so the checksum is reproducible
-    sidecar = {
+    sidecar: dict[str, Any] = {
         "format": FORMAT,
         "tensors": tensor_path.name,
         "sha256": file_sha256(tensor_path),
         "meta": meta,
-        "meta_sha256": _meta_sha256(meta),
+        "meta_sha256": _meta_sha256(meta, aliases),
     }
+    if aliases:
+        sidecar["aliases"] = aliases
     json_path = stem.with_suffix(".json")
     atomic_write(json_path, lambda tmp: tmp.write_text(json.dumps(sidecar, indent=1)))
     return json_path
@@ -106,7 +140,12 @@ def load_checkpoint(json_path: Path) -> tuple[dict[str, torch.Tensor], dict[str,
     if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {json_path} is not a {FORMAT} sidecar")
     meta = sidecar.get("meta")
-    if not isinstance(meta, dict) or sidecar.get("meta_sha256") != _meta_sha256(meta):
+    aliases = sidecar.get("aliases", {})
+    if (
+        not isinstance(meta, dict)
+        or not isinstance(aliases, dict)
+        or sidecar.get("meta_sha256") != _meta_sha256(meta, aliases)
+    ):
         raise CheckpointError(
             f"checkpoint {json_path} is corrupted: its metadata fails the SHA-256 check"
         )
@@ -120,7 +159,14 @@ def load_checkpoint(json_path: Path) -> tuple[dict[str, torch.Tensor], dict[str,
             f"checkpoint {tensor_path} is corrupted: SHA-256 differs from the one recorded in "
             f"{json_path.name}; delete both files to fall back to an earlier checkpoint"
         )
-    return load_file(str(tensor_path)), meta
+    tensors = load_file(str(tensor_path))
+    for alias, name in aliases.items():
+        if name not in tensors:
+            raise CheckpointError(
+                f"checkpoint {json_path}: {alias!r} shares {name!r}, which the tensor file lacks"
+            )
+        tensors[alias] = tensors[name]  # shared again, as when it was saved
+    return tensors, meta
 
 
 def optimizer_state(

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from scaleout.errors import ConfigError
-from scaleout.nn.optim import STATE_BUFFERS as OPTIMIZER_STATE
+from scaleout.nn.optim import state_buffers
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ModelInfo:
         return {
             "parameters": weights,
             "gradients": weights,
-            "optimizer state": weights * OPTIMIZER_STATE[self.optimizer],
+            "optimizer state": weights * state_buffers(self.optimizer),
         }
 
 
@@ -108,7 +108,7 @@ def _from_layer_costs(model: nn.Module, config: Any, input_shape: tuple) -> Mode
     notes = []
     if hasattr(model, "cost_notes"):
         notes = model.cost_notes(  # type: ignore[operator]
-            config.train.batch_size, bytes_per_value, OPTIMIZER_STATE[config.train.optimizer]
+            config.train.batch_size, bytes_per_value, state_buffers(config.train.optimizer)
         )
     return ModelInfo(
         kind=config.model.name,

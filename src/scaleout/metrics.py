@@ -144,10 +144,11 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         summary["final_test_accuracy"] = evals[-1]["test_accuracy"]
         summary["best_test_accuracy"] = best["test_accuracy"]
         summary["best_at_step"] = best["step"]
-    else:  # targets that are not class indices: the test loss is the measure
-        tested = [r for r in records if _finite(r.get("test_loss"))]
-        if tested:
-            summary["final_test_loss"] = tested[-1]["test_loss"]
+    tested = [r for r in records if _finite(r.get("test_loss"))]
+    if tested:  # the last evaluation's loss, perplexity and the user's own metrics
+        for key, value in tested[-1].items():
+            if key.startswith("test_") and key != "test_accuracy" and _finite(value):
+                summary[f"final_{key}"] = value
     return summary
 
 

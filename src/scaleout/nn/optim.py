@@ -1,42 +1,60 @@
-"""Optimizers by name (torch.optim).
+"""Optimizers by name (torch.optim) or by the user's factory.
 
 Parameter-server shards and workers build their optimizer from the same options (`[train]`
-optimizer, lr, momentum, weight_decay, warmup_steps), so S shards stepping their slices
-equal one optimizer stepping the whole vector: every optimizer here is element-wise.
+optimizer, lr, momentum, weight_decay, betas, eps), so S shards stepping their slices equal
+one optimizer stepping the whole vector: every optimizer by name here is element-wise, and
+a factory's is checked to be before it runs on shards (`check_elementwise`).
 
-Warm-up: the learning rate rises linearly over the first `warmup_steps` optimizer steps
-(lr / W, 2 lr / W, ..., lr). Adagrad needs it: its accumulator starts at 0, so its first
-step moves every weight by about lr at once (whatever its gradient), which drove the MNIST
-demo's loss from 2.3 to 16 and the speech model's from 9 (chance) to 30 before they
-recovered. `warmup_steps = None` (the default) is 200 for Adagrad and 0 for the others.
-Measured on the demo (2 replicas, warm start of 200 steps; a shard's optimizer steps once
-per push): 50 steps removed the start's blow-up but not a second one when the second
-replica joins (loss 0.3 -> 4.75: the accumulator, no longer inflated by the blow-up, let
-two stale replicas overshoot); 200 removed both (no push's loss above the first); 500
-learned slower. The step count lives in each parameter group (saved with the optimizer's
-state), so a restored optimizer does not warm up again.
+`train.optimizer` is a name (sgd, momentum, adagrad, rmsprop, adam, adamw), or a factory:
+"package.module:function" in TOML, or the function itself from `scaleout.fit(optimizer=)`,
+called as `fn(params) -> torch.optim.Optimizer`; its own rate is the base the schedule
+scales. The learning rate of each step is the caller's, from the global step
+(`scaleout.nn.schedule`); the optimizer holds each group's base rate as `initial_lr`.
+
+Warm-up: `warmup_steps = None` (the default) is 200 steps for Adagrad and 0 for the others.
+Adagrad needs it: its accumulator starts at 0, so its first step moves every weight by about
+lr at once (whatever its gradient), which drove the MNIST demo's loss from 2.3 to 16 and the
+speech model's from 9 (chance) to 30 before they recovered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import torch
 
-OptimizerName = Literal["sgd", "momentum", "adagrad", "rmsprop", "adam"]
+from scaleout.errors import ConfigError
+from scaleout.factories import load_callable
+from scaleout.nn.schedule import Schedule, remember_base_lr
+
+OptimizerName = Literal["sgd", "momentum", "adagrad", "rmsprop", "adam", "adamw"]
+OPTIMIZER_NAMES: tuple[str, ...] = OptimizerName.__args__  # type: ignore[attr-defined]
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 # Optimizer state per parameter, in parameter-sized buffers (for memory estimates).
-STATE_BUFFERS: dict[str, int] = {"sgd": 0, "momentum": 1, "adagrad": 1, "rmsprop": 1, "adam": 2}
+STATE_BUFFERS: dict[str, int] = {
+    "sgd": 0,
+    "momentum": 1,
+    "adagrad": 1,
+    "rmsprop": 1,
+    "adam": 2,
+    "adamw": 2,
+}
 DEFAULT_WARMUP: dict[str, int] = {"adagrad": 200}  # optimizer steps, where warmup_steps is None
+
+
+def state_buffers(optimizer: str) -> int:
+    """Parameter-sized buffers of `optimizer`'s state; a factory's is taken as Adam's (2)."""
+    return STATE_BUFFERS.get(optimizer, 2)
 
 
 class OptimizerOptions(Protocol):
     """What chooses an optimizer (the `[train]` section has these keys)."""
 
     @property
-    def optimizer(self) -> str: ...
+    def optimizer(self) -> str | OptimizerFactory: ...
     @property
     def lr(self) -> float: ...
     @property
@@ -50,68 +68,105 @@ class OptimizerOptions(Protocol):
 @dataclass(frozen=True)
 class OptimizerSpec:
     """Options for an optimizer outside a run config (e.g. a parameter server started by a
-    user's own loop): `OptimizerSpec("adagrad", lr=0.05)`."""
+    user's own loop): `OptimizerSpec("adagrad", lr=0.05)`. `schedule`: the learning rate of
+    each global step (None: constant after `warmup_steps`); shards count the steps their
+    pushes carry."""
 
-    optimizer: OptimizerName = "sgd"
+    optimizer: str | OptimizerFactory = "sgd"
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 0.0
     warmup_steps: int | None = None  # None: DEFAULT_WARMUP's
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: Schedule | None = None
 
 
 def warmup_steps(options: OptimizerOptions) -> int:
-    """The optimizer steps of `options`' learning-rate warm-up (0: none)."""
+    """The steps of `options`' learning-rate warm-up (0: none)."""
     steps = getattr(options, "warmup_steps", None)
-    return DEFAULT_WARMUP.get(options.optimizer, 0) if steps is None else steps
+    name = options.optimizer if isinstance(options.optimizer, str) else ""
+    return DEFAULT_WARMUP.get(name, 0) if steps is None else steps
 
 
-def warm_up(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.Optimizer:
-    """Scale every group's learning rate by (k + 1) / steps at its k-th step, k < steps (a
-    step pre-hook; k is kept in the group as `warmup_step`, its full rate as `warmup_lr`).
-    After the warm-up the hook leaves the rate alone, so a schedule of the caller's (or a
-    phase's own rates) is not overwritten."""
-    if steps <= 0:
+def schedule_of(options: OptimizerOptions) -> Schedule:
+    """`options.schedule` where it has one, else constant after its warm-up."""
+    schedule = getattr(options, "schedule", None)
+    return schedule if schedule is not None else Schedule(warmup_steps=warmup_steps(options))
+
+
+def is_factory(optimizer: str | OptimizerFactory) -> bool:
+    """Whether `train.optimizer` names a factory rather than an optimizer by name."""
+    return callable(optimizer) or ":" in optimizer
+
+
+def factory_of(optimizer: str | OptimizerFactory) -> OptimizerFactory:
+    return optimizer if callable(optimizer) else load_callable(optimizer, "train.optimizer")
+
+
+def optimizer_label(optimizer: str | OptimizerFactory) -> str:
+    """How messages name `train.optimizer`."""
+    if isinstance(optimizer, str):
         return optimizer
-    for group in optimizer.param_groups:
-        group.setdefault("warmup_lr", group["lr"])
-        group.setdefault("warmup_step", 0)
-
-    def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in opt.param_groups:
-            done = group.get("warmup_step", steps)
-            if done < steps:
-                group["lr"] = group["warmup_lr"] * ((done + 1) / steps)  # as LambdaLR
-                group["warmup_step"] = done + 1
-
-    optimizer.register_step_pre_hook(before_step)
-    return optimizer
+    return getattr(optimizer, "__qualname__", type(optimizer).__name__)
 
 
 def build_optimizer(
     params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], options: OptimizerOptions
 ) -> torch.optim.Optimizer:
-    """torch.optim for `options.optimizer` (sgd, momentum, adagrad, rmsprop or adam) over
-    parameters or parameter groups, with its learning-rate warm-up (`warmup_steps`)."""
-    return warm_up(_torch_optimizer(params, options), warmup_steps(options))
-
-
-def _torch_optimizer(
-    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], options: OptimizerOptions
-) -> torch.optim.Optimizer:
-    lr, decay = options.lr, options.weight_decay
+    """The optimizer `options.optimizer` names (or its factory builds) over parameters or
+    parameter groups, each group's rate kept as its base (`initial_lr`)."""
     params = [_listed(p) for p in params]  # looked at by `_fused`, then given to torch
+    if is_factory(options.optimizer):
+        return remember_base_lr(_from_factory(params, options.optimizer))
+    return remember_base_lr(_torch_optimizer(params, options))
+
+
+def _from_factory(params: list[Any], optimizer: str | OptimizerFactory) -> torch.optim.Optimizer:
+    factory = factory_of(optimizer)
+    name = optimizer_label(optimizer)
+    try:
+        built = factory(params)
+    except Exception as err:  # noqa: BLE001 - the user's code: one line, never a traceback
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            f"train.optimizer = {name!r} raised {type(err).__name__}: {first}"
+        ) from None
+    if not isinstance(built, torch.optim.Optimizer):
+        raise ConfigError(
+            f"train.optimizer = {name!r} returned a {type(built).__name__}, not a "
+            "torch.optim.Optimizer: return one, e.g. torch.optim.AdamW(params, lr=3e-4)"
+        )
+    return built
+
+
+def _torch_optimizer(params: list[Any], options: OptimizerOptions) -> torch.optim.Optimizer:
+    lr, decay = options.lr, options.weight_decay
+    betas = tuple(getattr(options, "betas", (0.9, 0.999)))
+    eps = getattr(options, "eps", 1e-8)
     match options.optimizer:
         case "sgd":
             return torch.optim.SGD(params, lr=lr, weight_decay=decay)
         case "momentum":
             return torch.optim.SGD(params, lr=lr, momentum=options.momentum, weight_decay=decay)
         case "adagrad":
-            return torch.optim.Adagrad(params, lr=lr, weight_decay=decay, fused=_fused(params))
+            return torch.optim.Adagrad(
+                params, lr=lr, weight_decay=decay, eps=eps, fused=_fused(params)
+            )
         case "rmsprop":
-            return torch.optim.RMSprop(params, lr=lr, weight_decay=decay)
+            return torch.optim.RMSprop(params, lr=lr, weight_decay=decay, eps=eps)
         case "adam":
-            return torch.optim.Adam(params, lr=lr, weight_decay=decay, fused=_fused(params))
-    raise ValueError(f"train.optimizer = {options.optimizer!r} is not an optimizer")
+            return torch.optim.Adam(
+                params, lr=lr, betas=betas, eps=eps, weight_decay=decay, fused=_fused(params)
+            )
+        case "adamw":
+            return torch.optim.AdamW(
+                params, lr=lr, betas=betas, eps=eps, weight_decay=decay, fused=_fused(params)
+            )
+    raise ConfigError(
+        f"train.optimizer = {options.optimizer!r} is not an optimizer: use one of "
+        f"{', '.join(OPTIMIZER_NAMES)} or a factory 'package.module:function'"
+    )
 
 
 def _listed(param: Any) -> Any:  # noqa: ANN401 - a parameter or a group
@@ -123,16 +178,62 @@ def _listed(param: Any) -> Any:  # noqa: ANN401 - a parameter or a group
     return {**param, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
 
 
-FUSED_DEVICES = ("cpu", "cuda")  # where torch has Adagrad's and Adam's one-pass kernels
+FUSED_DEVICES = ("cpu", "cuda")  # where torch has the one-pass kernels used here
 
 
 def _fused(params: list[torch.nn.Parameter] | list[dict[str, Any]]) -> bool | None:
-    """Adagrad's and Adam's fused step (one pass over memory) where every parameter is a
-    floating-point tensor on a device that has it; None (torch's default) elsewhere. A
-    parameter-server shard of the MNIST demo (0.93M values, cold caches) steps Adagrad in
-    0.70 ms fused against 1.62 ms (Adam: 1.23 against 2.64 ms). The two differ by an
-    ulp (2.4e-7 after five steps), so a reference to compare with is built fused too."""
+    """Adagrad's, Adam's and AdamW's fused step (one pass over memory) where every
+    parameter is a floating-point tensor on a device that has it; None (torch's default)
+    elsewhere. A parameter-server shard of the MNIST demo (0.93M values, cold caches) steps
+    Adagrad in 0.70 ms fused against 1.62 ms (Adam: 1.23 against 2.64 ms). Fused and
+    unfused differ by an ulp, so a reference to compare with is built fused too."""
     tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
     if tensors and all(t.is_floating_point() and t.device.type in FUSED_DEVICES for t in tensors):
         return True
     return None
+
+
+def check_elementwise(options: OptimizerOptions) -> None:
+    """Raise a one-line `ConfigError` unless `options`' optimizer steps every value on its
+    own: a parameter-server shard holds a flat slice that cuts across tensors, so an
+    optimizer that reads whole tensors (per-layer norms, factored moments, orthogonalised
+    updates) would step something else than the model's tensors. Checked by stepping a
+    (6, 10) tensor whole and as two flat slices of 23 and 37 values on the same gradients:
+    an element-wise optimizer moves both alike."""
+    if not is_factory(options.optimizer):
+        return  # every optimizer by name is element-wise
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(6, 10, generator=generator)
+    grads = [torch.randn(6, 10, generator=generator) for _ in range(3)]
+    whole = torch.nn.Parameter(start.clone())
+    flat = start.reshape(-1)
+    pieces = [torch.nn.Parameter(flat[:23].clone()), torch.nn.Parameter(flat[23:].clone())]
+    name = optimizer_label(options.optimizer)
+    why = (
+        f"train.optimizer = {name!r} does not step element by element, and a Downpour shard "
+        "holds a flat slice of the parameters that cuts across tensors"
+    )
+    try:
+        one = build_optimizer([whole], options)
+        two = [build_optimizer([piece], options) for piece in pieces]
+        for grad in grads:
+            whole.grad = grad
+            one.step()
+            flat_grad = grad.reshape(-1)
+            pieces[0].grad, pieces[1].grad = flat_grad[:23], flat_grad[23:]
+            for optimizer in two:
+                optimizer.step()
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - e.g. an optimizer that needs 2-D tensors
+        raise ConfigError(
+            f"{why} ({type(err).__name__} on a 1-D slice): use it with strategy single or "
+            "sync, or an element-wise optimizer (sgd, adam, adamw, ...) with downpour"
+        ) from None
+    stepped = torch.cat([pieces[0].detach(), pieces[1].detach()])
+    if not torch.allclose(whole.detach().reshape(-1), stepped, rtol=1e-5, atol=1e-6):
+        raise ConfigError(
+            f"{why} (a (6, 10) tensor and its two slices moved differently): use it with "
+            "strategy single or sync, or an element-wise optimizer (sgd, adam, adamw, ...) "
+            "with downpour"
+        )

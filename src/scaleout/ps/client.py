@@ -23,7 +23,9 @@ buffer in shared memory instead: the push names the one it filled where it lies,
 groups step differently (e.g. the sparse autoencoder's alpha on a shard of its own with a
 smaller learning rate). `after_pull` runs after each fetch (a model-parallel grid broadcasts
 its replicated parameters there); `before_push` before each push (the grid sums those
-parameters' gradients), `after_push` after it.
+parameters' gradients; a replica clips the gradient it pushes), and what it returns goes
+into the push's record; `after_push` after it. Each push carries the steps it holds, so
+the shards know the global step their learning-rate schedule reads.
 
 With `threads=True` fetch, compute and push run in three weakly synchronised threads, as in
 the paper's appendix: the compute thread adopts whatever parameters the fetch thread last
@@ -51,6 +53,7 @@ from scaleout.ps.server import ParameterServer, Push
 
 Params = Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]]
 Hook = Callable[[], None]
+PushHook = Callable[[], dict[str, Any] | None]  # what it returns goes into the push record
 
 AUTO_PROBE_PUSHES = 4  # push windows measured (after the first) before "auto" decides
 
@@ -94,7 +97,7 @@ class ReplicaClient:
         n_push: int = 1,
         threads: bool | Literal["auto"] = False,
         after_pull: Hook | None = None,
-        before_push: Hook | None = None,
+        before_push: PushHook | None = None,
         after_push: Hook | None = None,
     ) -> None:
         if n_fetch < 1 or n_push < 1:
@@ -111,6 +114,7 @@ class ReplicaClient:
         self.n_fetch, self.n_push = n_fetch, n_push
         self.after_pull, self.before_push, self.after_push = after_pull, before_push, after_push
         self.steps = 0
+        self._steps_pushed = 0  # `steps` at the last push
         self.stats = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0}
         self.staleness: list[float] = []
         self._received = 0  # bytes pulled since the last push record
@@ -161,9 +165,10 @@ class ReplicaClient:
     def push(self, **info: Any) -> None:  # noqa: ANN401
         """Send the accumulated gradient now (without waiting for it to be applied)."""
         started = time.perf_counter()
-        if self.before_push is not None:
-            self.before_push()
-        record = {"t": time.time(), "threads": self.threads, **info}
+        extra = self.before_push() if self.before_push is not None else None
+        steps, self._steps_pushed = self.steps - self._steps_pushed, self.steps
+        record = {"t": time.time(), "threads": self.threads, "steps": steps, **info}
+        record.update(extra or {})
         record.update({f"{k}_s": round(v, 6) for k, v in self._seconds.items()})
         self._seconds = dict.fromkeys(self._seconds, 0.0)
         if self._pipeline is not None:
@@ -238,7 +243,7 @@ class ReplicaClient:
     ) -> None:
         pushes, sent = [], 0
         for lane, grad, version in zip(self.lanes, grads, versions, strict=True):
-            lane_pushes, lane_sent = lane.server.push(grad, version)
+            lane_pushes, lane_sent = lane.server.push(grad, version, record["steps"])
             pushes.append((lane.server, lane_pushes))
             sent += lane_sent
         record.update(bytes_sent=sent, bytes_received=self._received)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from scaleout.errors import UserError
+
 
 def shard_ranges(num_values: int, num_shards: int) -> list[tuple[int, int]]:
     """[start, stop) of each shard; sizes differ by at most one."""
@@ -59,6 +61,7 @@ class FlatParameters:
                 f"a flat parameter vector needs one dtype and one device, got {dtypes} on {devices}"
             )
         (dtype,), (device,) = dtypes, devices
+        _check_unshared(named)
         self.entries: list[Entry] = []
         offset = 0
         for name, p in named:
@@ -110,6 +113,26 @@ class FlatParameters:
 
     def names(self) -> list[str]:
         return [e.name for e in self.entries]
+
+
+def _check_unshared(named: list[tuple[str, nn.Parameter]]) -> None:
+    """A parameter shared by two modules (tied weights) is one `nn.Parameter`, listed once;
+    two distinct parameters over the same memory would get two places in the flat vector
+    and part ways after the first step: one line naming them."""
+    spans = sorted(
+        (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), str(p.device), name)
+        for name, p in named
+        if p.numel()
+    )
+    for (_, end, device, first), (start, _, other_device, second) in zip(
+        spans, spans[1:], strict=False
+    ):
+        if start < end and device == other_device:
+            raise UserError(
+                f"parameters {first} and {second} share memory but are two nn.Parameter "
+                "objects: tie them by assigning one parameter to both modules "
+                "(b.weight = a.weight), so it is trained as one"
+            )
 
 
 def _named(

@@ -50,6 +50,7 @@ class Push:
     seq: int
     future: Any
     shard: Any = None  # the actor it was sent to last
+    steps: int = 1  # training steps the gradient holds (the shards' schedule counts them)
 
 
 class ParameterServer(NearbyShards):
@@ -84,6 +85,7 @@ class ParameterServer(NearbyShards):
         self._lock = threading.RLock()  # a replica's fetch and push threads share this
         self.keeper: Any = None  # starts the backups (the driver's copy ends it)
         self._initial: torch.Tensor | None = None  # until every shard holds its slice
+        self._start_step = 0
         self._pending: list[Any] = []
         self.shared_memory = shared_memory and shared.available()
         self._init_nearby()
@@ -103,10 +105,12 @@ class ParameterServer(NearbyShards):
         wait: bool = True,
         backups: int = 0,
         shared_memory: bool = True,
+        start_step: int = 0,
     ) -> ParameterServer:
         """Start `num_shards` shard actors holding `initial` (P,), or their checkpoints in
         `checkpoint_root/shard_<i>` when they have some; each applies pushed gradients with
-        the optimizer `optimizer` names.
+        the optimizer `optimizer` names, at the learning rate its schedule gives the global
+        step (`start_step` plus the steps the pushes applied carried).
 
         With `resource`, shards run only on nodes that offer that custom Ray resource. With
         `backups` = 1 every shard keeps a backup that applies every update too (placed on
@@ -149,8 +153,9 @@ class ParameterServer(NearbyShards):
         server = cls(shards, ranges, compress, shared_memory=shared_memory)
         server.keeper = keeper
         server._initial = flat
+        server._start_step = start_step
         server._pending = [
-            shard.initialize.remote(flat[start:stop].numpy())
+            shard.initialize.remote(flat[start:stop].numpy(), start_step)
             for shard, (start, stop) in zip(shards, ranges, strict=True)
         ]
         if wait:
@@ -169,7 +174,8 @@ class ParameterServer(NearbyShards):
         except RayActorError:  # a shard died while starting: Ray restarts it, ask again
             answers = self._each(
                 lambda i: self.shards[i].initialize.remote(
-                    flat[ranges[i][0] : ranges[i][1]].numpy()  # type: ignore[index]
+                    flat[ranges[i][0] : ranges[i][1]].numpy(),  # type: ignore[index]
+                    self._start_step,
                 )
             )
         self.backups = [backup for _, backup in answers]
@@ -212,9 +218,12 @@ class ParameterServer(NearbyShards):
             received += Wire.nbytes(payload)
         return versions, received
 
-    def push(self, grads: torch.Tensor, base_versions: list[int]) -> tuple[list[Push], int]:
-        """Send each shard its slice of `grads` (P,); return (pushes, bytes sent) at once.
-        `settle(pushes)` waits for the shards to apply them."""
+    def push(
+        self, grads: torch.Tensor, base_versions: list[int], steps: int = 1
+    ) -> tuple[list[Push], int]:
+        """Send each shard its slice of `grads` (P,), the sum over `steps` training steps;
+        return (pushes, bytes sent) at once. `settle(pushes)` waits for the shards to apply
+        them."""
         pushes, sent = [], 0
         with self._lock:
             gradients = self._gradients
@@ -231,7 +240,7 @@ class ParameterServer(NearbyShards):
                 # after a failure.
                 local = self._shared_piece(slot, payload, buffer)
                 ref = local if local is not None else ray.put(payload)
-                push = Push(slot, ref, version, self.seqs[slot], None)
+                push = Push(slot, ref, version, self.seqs[slot], None, steps=steps)
                 if local is not None:
                     self._inbox_of(local, slot).sent(local, push, self._in_flight)
                 self._send(push)
@@ -246,7 +255,9 @@ class ParameterServer(NearbyShards):
 
     def _send(self, push: Push) -> None:
         push.shard = shard = self.shards[push.slot]
-        push.future = shard.push.remote(push.payload, push.base_version, self.client, push.seq)
+        push.future = shard.push.remote(
+            push.payload, push.base_version, self.client, push.seq, push.steps
+        )
 
     def settle(self, pushes: list[Push]) -> list[tuple[int, int]]:
         """Wait until every push is applied: (version, staleness) per shard. Pushes to a

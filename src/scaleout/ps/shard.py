@@ -1,10 +1,13 @@
 """One parameter-server shard: a slice of the flat parameter vector and its optimizer.
 
 The shard applies every pushed gradient itself, with the same torch.optim optimizer the
-single-worker strategy uses (SGD, momentum, Adagrad, RMSProp, Adam are element-wise, so S
-shards stepping their slices equal one optimizer stepping the whole vector). Versions count
-applied updates; the staleness of a push is the shard's version when it arrives minus the
-version the replica had fetched.
+single-worker strategy uses (SGD, momentum, Adagrad, RMSProp, Adam, AdamW, and a user's
+factory that passes `check_elementwise`, are element-wise, so S shards stepping their slices
+equal one optimizer stepping the whole vector). Versions count applied updates; the
+staleness of a push is the shard's version when it arrives minus the version the replica
+had fetched. The learning rate of an update is the schedule's at the global step the shard
+knows: the steps every push it applied carried (a replica's push of n_push steps counts
+n_push), from the step it started at.
 
 With a backup (`backup`, see `scaleout.ps.backup`) every update is applied by a second
 actor too before the push is acknowledged, and a primary that dies is replaced by its
@@ -48,7 +51,8 @@ from scaleout.checkpoint import (
 )
 from scaleout.compress import CompressSection
 from scaleout.errors import CheckpointError, DiskError, UserError
-from scaleout.nn.optim import OptimizerOptions, build_optimizer
+from scaleout.nn.optim import OptimizerOptions, build_optimizer, schedule_of
+from scaleout.nn.schedule import apply_lr
 from scaleout.ps import shared
 from scaleout.ps.backup import BackupLink, BackupPolicy
 from scaleout.ps.wire import Payload, Wire
@@ -90,7 +94,9 @@ class ParameterShard:
         self.param = nn.Parameter(self.region.values if self.region else torch.zeros(numel))
         self.inboxes = shared.Views()  # the clients' inboxes their pushes name
         self.optimizer = build_optimizer([self.param], optimizer)
+        self.schedule = schedule_of(optimizer)
         self.version = 0
+        self.steps = 0  # the global steps the updates applied so far hold
         self.checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.checkpoint_seconds = checkpoint_seconds
@@ -110,15 +116,17 @@ class ParameterShard:
         self._tried_version, self._tried_at = self._saved_version, self._saved_at
         self.checkpoint_failures, self.checkpoint_error = 0, None  # periodic ones, see info()
 
-    def initialize(self, values: np.ndarray) -> tuple[int, Any]:
-        """Set the initial slice unless a checkpoint was restored, start the backup (with
-        `backup`); return the version and the backup's handle (None without one).
+    def initialize(self, values: np.ndarray, step: int = 0) -> tuple[int, Any]:
+        """Set the initial slice and global step unless a checkpoint was restored, start
+        the backup (with `backup`); return the version and the backup's handle (None
+        without one).
 
         The initial state is checkpointed at once, so a shard Ray restarts before its first
         periodic checkpoint still comes back with its values (Ray keeps no constructor
         arguments for it: they are small).
         """
         if self.restored_version is None:
+            self.steps = step
             with torch.no_grad(), self._writing():
                 self.param.copy_(torch.from_numpy(np.array(values, dtype=np.float32)))
             if self.checkpoints is not None:
@@ -149,21 +157,22 @@ class ParameterShard:
         base_version: int,
         client: str = "",
         seq: int = 0,
+        steps: int = 1,
     ) -> tuple[int, int]:
-        """Apply one gradient (and have the backup apply it); return (new version,
-        staleness of this push). A push this shard applied already (`client`'s `seq`, sent
-        again after a failover) is not applied twice."""
+        """Apply one gradient, the sum over `steps` training steps (and have the backup
+        apply it); return (new version, staleness of this push). A push this shard applied
+        already (`client`'s `seq`, sent again after a failover) is not applied twice."""
         self._check_state()
         if self._applied_already(client, seq):
             return self.version, 0
         if isinstance(payload, shared.SharedSlice) and self.link is not None:
             payload = self.inboxes.values(payload).numpy().copy()  # the backup may be remote
         forward = (
-            self.link.forward("replicate", payload, base_version, client, seq)
+            self.link.forward("replicate", payload, base_version, client, seq, steps)
             if (self.link is not None)
             else None
         )
-        result = self._apply(payload, base_version, client, seq)
+        result = self._apply(payload, base_version, client, seq, steps)
         if self.link is not None and not self.link.confirm(forward, self.shard_id):
             if self.link.due():  # it holds this update too: the state is copied after it
                 self._start_backup()
@@ -171,7 +180,12 @@ class ParameterShard:
         return result
 
     def _apply(
-        self, payload: Payload | shared.SharedSlice, base_version: int, client: str, seq: int
+        self,
+        payload: Payload | shared.SharedSlice,
+        base_version: int,
+        client: str,
+        seq: int,
+        steps: int,
     ) -> tuple[int, int]:
         if isinstance(payload, shared.SharedSlice):
             grad, nbytes = self.inboxes.values(payload), payload.nbytes
@@ -187,9 +201,11 @@ class ParameterShard:
             # stepped where the gradient lies (a client's inbox, Ray's store, a decoded
             # tensor): the optimizers only read it, and a 3.7 MB copy costs ~0.6 ms cold
             self.param.grad = grad
+            apply_lr(self.optimizer, self.schedule, self.steps)
             self.optimizer.step()
             self.param.grad = None
             self.version += 1
+            self.steps += steps
             self._publish()
         if client:
             self.applied[client] = seq
@@ -200,10 +216,12 @@ class ParameterShard:
 
     # --- the backup ------------------------------------------------------------------------
 
-    def replicate(self, payload: Payload, base_version: int, client: str, seq: int) -> int:
+    def replicate(
+        self, payload: Payload, base_version: int, client: str, seq: int, steps: int = 1
+    ) -> int:
         """The backup's side of a push: apply what the primary applies, in its order."""
         if not self._applied_already(client, seq):
-            self._apply(payload, base_version, client, seq)
+            self._apply(payload, base_version, client, seq, steps)
         return self.version
 
     def _applied_already(self, client: str, seq: int) -> bool:
@@ -332,7 +350,12 @@ class ParameterShard:
         backup adopts."""
         tensors, optim_meta = optimizer_state(self.optimizer)
         tensors["param"] = self.param.detach()
-        meta = {"version": self.version, "optimizer": optim_meta, "applied": dict(self.applied)}
+        meta = {
+            "version": self.version,
+            "steps": self.steps,
+            "optimizer": optim_meta,
+            "applied": dict(self.applied),
+        }
         return tensors, meta
 
     def _load(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -341,6 +364,7 @@ class ParameterShard:
             self.param.copy_(tensors["param"])
             load_optimizer_state(self.optimizer, tensors, meta["optimizer"])
             self.version = int(meta["version"])
+            self.steps = int(meta.get("steps", self.version))
             self._publish()
         self.applied = {str(k): int(v) for k, v in meta.get("applied", {}).items()}
 

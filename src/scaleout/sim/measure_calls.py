@@ -407,7 +407,7 @@ def measure_exchange(sizes: Sequence[int] = EXCHANGE_SIZES) -> MessageCost:
 def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401
     """Values per all-reduce to measure: `ALLREDUCE_SIZES`, and what the configs' sync runs
     reduce (the whole gradient, DDP's buckets, the averaged weights and optimizer state)."""
-    from scaleout.nn.optim import STATE_BUFFERS
+    from scaleout.nn.optim import state_buffers
     from scaleout.sim.sync import ddp_buckets
 
     sizes = set(ALLREDUCE_SIZES)
@@ -416,7 +416,7 @@ def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> lis
             continue
         cost = models[model_key(config)]
         numel = cost.num_parameters
-        sizes.update({numel, numel * (1 + STATE_BUFFERS[config.train.optimizer])})
+        sizes.update({numel, numel * (1 + state_buffers(config.train.optimizer))})
         sizes.update(ddp_buckets(cost.parameter_numels or [numel]))
     return sorted(sizes)
 
@@ -430,13 +430,13 @@ def average_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[
     """Values per `average_tensors` to measure: `AVERAGE_SIZES`, and what the configs' sync
     runs in "average" mode average (weights and optimizer state every step; the weights for
     an evaluation)."""
-    from scaleout.nn.optim import STATE_BUFFERS
+    from scaleout.nn.optim import state_buffers
 
     sizes = set(AVERAGE_SIZES)
     for config in configs:
         if config.train.strategy == "sync" and config.sync.mode == "average":
             numel = models[model_key(config)].num_parameters
-            sizes.update({numel, numel * (1 + STATE_BUFFERS[config.train.optimizer])})
+            sizes.update({numel, numel * (1 + state_buffers(config.train.optimizer))})
     return sorted(sizes)
 
 

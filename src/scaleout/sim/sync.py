@@ -63,7 +63,7 @@ import simpy
 from scaleout.compress.link import OnLink
 from scaleout.compress.payload import layout
 from scaleout.errors import ConfigError
-from scaleout.nn.optim import STATE_BUFFERS
+from scaleout.nn.optim import state_buffers
 from scaleout.sim.calibration import Calibration, MessageCost
 from scaleout.sim.engine import Cluster, Process
 from scaleout.sim.result import Result
@@ -220,7 +220,7 @@ def ddp_buckets(
 def checkpoint_bytes(numel: int, optimizer: str) -> int:
     """What a checkpoint writes of `numel` parameters: their values and their optimizer's
     parameter-sized buffers, fp32."""
-    return 4 * numel * (1 + STATE_BUFFERS[optimizer])
+    return 4 * numel * (1 + state_buffers(optimizer))
 
 
 def driver_chunks(

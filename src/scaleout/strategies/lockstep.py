@@ -19,6 +19,7 @@ from scaleout.strategies.group import ActorWorkers, LocalWorkers
 from scaleout.strategies.worker import Role, chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
+from scaleout.train.step import schedule_for
 
 Workers = LocalWorkers | ActorWorkers
 
@@ -62,7 +63,9 @@ class Lockstep:
 
     def start(self, resume: Resume | None) -> dict[str, Any]:
         assert self._plan is not None
-        role = Role(phase_steps=self._plan.phase_steps, **self.role_options())
+        plan = self._plan
+        schedule = schedule_for(self.job.train, plan.phase_steps or plan.total_steps)
+        role = Role(phase_steps=plan.phase_steps, schedule=schedule, **self.role_options())
         self.workers = self.make_workers(role)
         self.step = 0 if resume is None else resume.step
         if resume is not None:

@@ -69,6 +69,24 @@ def check_partitionable(job: Job, strategy: str, grid: list[int]) -> None:
         raise ConfigError(f"model_parallel.grid = {list(grid)}: {err}") from None
 
 
+def check_grid_steps(job: Job) -> None:
+    """A step on a grid of more than one worker: its gradient lies in parts over the grid,
+    whose global norm is not clipped, and its exchanges move fp32 activations; one line
+    for `train.grad_clip_norm` or a `run.precision` other than fp32."""
+    if job.train.grad_clip_norm is not None:
+        raise ConfigError(
+            "train.grad_clip_norm with a model-parallel grid: each worker holds a part of the "
+            "gradient, and its global norm is not clipped across the grid; leave "
+            "train.grad_clip_norm out or use model_parallel.grid = [1, 1]"
+        )
+    if job.run.precision != "fp32":
+        raise ConfigError(
+            f'run.precision = "{job.run.precision}" with a model-parallel grid: the grid '
+            'exchanges fp32 activations; use run.precision = "fp32" or '
+            "model_parallel.grid = [1, 1]"
+        )
+
+
 class ModelParallel(Lockstep):
     name = "model_parallel"
 
@@ -76,6 +94,8 @@ class ModelParallel(Lockstep):
         super().__init__(job)
         self.opts = job.section("model_parallel", ModelParallelSection)
         check_partitionable(job, self.name, self.opts.grid)
+        if self.opts.num_workers > 1:
+            check_grid_steps(job)
 
     def role_options(self) -> dict[str, Any]:
         grid = self.opts.grid

@@ -69,6 +69,13 @@ class Sync(Lockstep):
                 f"sync.num_workers = {self.opts.num_workers} (each worker trains on an equal "
                 "slice of the batch)"
             )
+        micro, workers = job.train.accumulate_steps, self.opts.num_workers
+        if micro > 1 and (job.train.batch_size // workers) % micro:
+            raise ConfigError(
+                f"train.accumulate_steps = {micro} does not divide each worker's slice of "
+                f"train.batch_size = {job.train.batch_size} over sync.num_workers = "
+                f"{workers}: make the batch a multiple of {micro * workers}"
+            )
         probe = job.probe
         if (
             probe is not None

@@ -41,6 +41,7 @@ from scaleout.data.parts import data_part
 from scaleout.data.prefetch import DevicePrefetcher
 from scaleout.errors import UserError
 from scaleout.nn.optim import build_optimizer
+from scaleout.nn.schedule import Schedule
 from scaleout.parallel import average_tensors, parallelize, parts, synced_state
 from scaleout.runtime import resolve_device
 from scaleout.strategies.worker_shards import OnShards
@@ -49,6 +50,7 @@ from scaleout.train.job import Job
 from scaleout.train.objective import Layerwise, objective_for
 from scaleout.train.protocol import Chunk
 from scaleout.train.state import restored
+from scaleout.train.step import Stepper
 
 if TYPE_CHECKING:
     from scaleout.ps import ReplicaClient
@@ -69,6 +71,7 @@ class Role:
     ddp: bool = False  # sync "allreduce": DDP averages gradients during backward
     average_every: int | None = None  # sync "average": average weights + optimizer state
     phase_steps: int | None = None  # lock-step layer-wise training: steps per phase
+    schedule: Schedule | None = None  # the learning rate of each step (None: no optimizer)
 
     def named(self, rank: int, world: int) -> Role:
         """This role for rank `rank` of `world`."""
@@ -101,7 +104,11 @@ class Worker(WorkerState, OnShards):
         shipped, self.finish_batch = job.loader.with_uint8(train_set, self.device)
         if shipped is not train_set:
             self.train_set = data_part(shipped, role.replica, role.num_replicas)
-        self.objective = objective_for(model, job.loss_fn(), self.test_set)
+        self.objective = objective_for(
+            model, job.loss_fn(), self.test_set, job.metrics_source()
+        )
+        schedule = role.schedule or Schedule()
+        self.stepper = Stepper(job.train, job.run.precision, self.device, schedule)
         self.layerwise = isinstance(self.objective, Layerwise)
         # the codec of the exchanges and of DDP's buckets; on a `compress.link`, one that
         # sends raw what is faster raw, once the ranks agreed on its cost (`start`)
@@ -151,7 +158,7 @@ class Worker(WorkerState, OnShards):
         self.phase = phase
         self.groups = list(self.objective.parameter_groups(self.model, phase, self.cfg.lr))
         if self.client is None:
-            self.optimizer = build_optimizer(self.groups, self.cfg)
+            self.optimizer = build_optimizer(self.groups, self.job.optimizer_options())
 
     def _data_seed(self) -> int:
         return derive_seed(self.data_seed, self.phase) if self.layerwise else self.data_seed
@@ -205,6 +212,7 @@ class Worker(WorkerState, OnShards):
         sums: dict[str, Tensor] = {}
         examples = steps = 0
         wait_s = average_s = 0.0
+        grad_norm: Tensor | None = None
         started = time.perf_counter()
         for _ in range(num_steps):
             phase_steps = self.role.phase_steps
@@ -219,16 +227,17 @@ class Worker(WorkerState, OnShards):
             if self.client is not None:
                 self.client.before_step()  # a fetch when one is due: not compute
             computing = time.perf_counter()
-            loss, step_sums = self.objective.step(self.model, self.network, batch, self.phase)
+            if self.optimizer is not None and self.client is None:
+                self.optimizer.zero_grad(set_to_none=True)
+            loss, step_sums = self.stepper.forward_backward(
+                self.objective, self.model, self.network, batch, self.phase
+            )
             if self.client is None:
                 assert self.optimizer is not None
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
                 if self.partitioned:
                     parts.sync_grads(self.model)
-                self.optimizer.step()
+                grad_norm = self.stepper.step(self.optimizer, self._schedule_step())
             else:
-                loss.backward()
                 self._after_backward(loss, time.perf_counter() - computing)
             self.step += 1
             steps += 1
@@ -248,19 +257,27 @@ class Worker(WorkerState, OnShards):
         correct = values.pop("correct", None)
         fields: dict[str, Any] = {"epoch": self.epoch, **self._phase_fields()}
         fields["data_wait_s"] = wait_s / max(steps, 1)  # per step: loading not hidden
+        if grad_norm is not None:  # the last step's, before clipping
+            fields["grad_norm"] = float(grad_norm)
         if self.role.average_every:
             fields["average_s"] = average_s / max(steps, 1)
         return {
             "steps": steps,
             "examples": examples,
             "loss_sum": loss_sum,
-            "correct": None if correct is None else int(correct),
+            "correct": correct,
             "term_sums": values,
             "fields": fields,
             "seconds": time.perf_counter() - started,
             "position": self.position(),
             "records": self.take_records(),
         }
+
+    def _schedule_step(self) -> int:
+        """The step the learning rate is a function of: the run's global step, or the
+        phase's own for layer-wise training (each phase is a fresh optimization)."""
+        phase_steps = self.role.phase_steps
+        return self.step - self.phase * phase_steps if phase_steps else self.step
 
     def _phase_fields(self) -> dict[str, Any]:
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else self.cfg.lr
@@ -301,14 +318,15 @@ class Worker(WorkerState, OnShards):
             options = {}
             if self.partitioned:
                 options["reduce"] = lambda values: parts.reduce_parts(self.model, values)
-            return self.objective.evaluate(
-                self.model,
-                self.test_set,
-                self.cfg.eval_batch_size,
-                self.device,
-                self._evaluated_phase(),
-                **options,
-            )
+            with self.stepper.autocast():
+                return self.objective.evaluate(
+                    self.model,
+                    self.test_set,
+                    self.cfg.eval_batch_size,
+                    self.device,
+                    self._evaluated_phase(),
+                    **options,
+                )
 
     @contextmanager
     def _averaged(self) -> Iterator[None]:

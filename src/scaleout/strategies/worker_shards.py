@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from scaleout.parallel import parts
 from scaleout.train.state import restored
+from scaleout.train.step import clip_gradients
 
 if TYPE_CHECKING:
     from scaleout.ps import ParameterServer, ReplicaClient
@@ -124,9 +125,11 @@ class OnShards:
             for params, server in zip(self._lane_params(), servers, strict=True)
             if params and server is not None
         ]
-        after_pull = before_push = after_push = None
+        after_pull = after_push = None
+        pushed = [p for params, _ in lanes for _, p in params]
+        clip = self.cfg.grad_clip_norm
+        model = self.model
         if self.partitioned:
-            model = self.model
             replicated = [p for g in self.groups for p in g["params"] if self._replicated(p)]
             lane_ids = {id(p) for params, _ in lanes for _, p in params}
             others = [p for g in self.groups for p in g["params"] if id(p) not in lane_ids]
@@ -134,18 +137,25 @@ class OnShards:
             def after_pull() -> None:
                 parts.broadcast_replicated(model, replicated)
 
-            def before_push() -> None:
-                parts.sync_grads(model)
-
             def after_push() -> None:
                 for p in others:
                     if p.grad is not None:
                         p.grad.zero_()
 
+        def before_push() -> dict[str, Any] | None:
+            """The grid sums its replicated parameters' gradients; the push is clipped to
+            `train.grad_clip_norm` (its norm before, in the push's record)."""
+            if self.partitioned:
+                parts.sync_grads(model)
+            if clip is None:
+                return None
+            return {"grad_norm": float(clip_gradients(pushed, clip))}
+
         from scaleout.ps import ReplicaClient  # imports Ray: only Downpour's workers need it
 
+        needed = self.partitioned or clip is not None
         self.client = ReplicaClient(
-            lanes, n_fetch, n_push, threads, after_pull, before_push, after_push
+            lanes, n_fetch, n_push, threads, after_pull, before_push if needed else None, after_push
         )
 
     def _after_backward(self, loss: Tensor, compute_s: float) -> None:

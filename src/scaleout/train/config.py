@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     Field,
@@ -11,10 +12,16 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    ValidationInfo,
+    field_validator,
 )
 
 from scaleout.config import Section
-from scaleout.nn.optim import OptimizerName
+from scaleout.nn.optim import OPTIMIZER_NAMES
+from scaleout.nn.schedule import ScheduleName
+
+Precision = Literal["fp32", "bf16", "fp16"]
+FACTORY = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # "package.module:function"
 
 
 class RunSection(Section):
@@ -27,6 +34,9 @@ class RunSection(Section):
     num_threads: Annotated[int, Field(ge=1, le=1024)] | None = None
     address: str | None = None  # Ray cluster to join: "auto", "host:port"; None: embedded
     tensorboard: bool = False  # also write TensorBoard event files beside metrics.jsonl
+    # "bf16": forward and loss under autocast (CPU and CUDA), fp32 weights and optimizer
+    # state; "fp16": the same in float16 with a GradScaler (CUDA only)
+    precision: Precision = "fp32"
 
     @property
     def run_dir(self) -> Path:
@@ -38,14 +48,31 @@ class TrainSection(Section):
     epochs: PositiveInt = 1
     steps: PositiveInt | None = None  # when set, overrides epochs
     batch_size: PositiveInt = 128
-    optimizer: OptimizerName = "sgd"
+    # sgd, momentum, adagrad, rmsprop, adam, adamw, or "package.module:function" building
+    # one from the parameters: fn(params) -> torch.optim.Optimizer
+    optimizer: str = "sgd"
     lr: PositiveFloat = 0.01
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9  # "momentum"; rmsprop/adam ignore it
-    weight_decay: NonNegativeFloat = 0.0
-    # optimizer steps of linear learning-rate warm-up; None: 200 for adagrad, else 0
+    weight_decay: NonNegativeFloat = 0.0  # adamw: decoupled from the gradient
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.999,
+    )  # adam, adamw
+    eps: PositiveFloat = 1e-8  # adagrad, rmsprop, adam, adamw
+    # the learning rate of each global step (`scaleout.nn.schedule`)
+    lr_schedule: ScheduleName = "constant"
+    # steps of linear learning-rate warm-up; None: 200 for adagrad, else 0
     warmup_steps: NonNegativeInt | None = None
+    decay_steps: PositiveInt | None = None  # wsd's final decay; None: the last fifth
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0  # where a schedule ends
+    # clip the global L2 norm of each step's gradient to this (None: off); logs grad_norm
+    grad_clip_norm: PositiveFloat | None = None
+    # micro-batches per optimizer step: batch_size examples in that many equal parts
+    accumulate_steps: PositiveInt = 1
     # (output, target) -> scalar loss, "package.module:function"; None: cross-entropy
     loss: str | None = None
+    # (output, target) -> {name: batch mean}, "package.module:function"; logged as test_<name>
+    metrics: Annotated[str, Field(pattern=FACTORY)] | None = None
     eval_every: PositiveInt = 500  # steps between test evaluations (and one at the end)
     target_accuracy: Annotated[float, Field(gt=0, le=1)] | None = None  # stop when reached
     eval_batch_size: PositiveInt = 1000
@@ -55,6 +82,27 @@ class TrainSection(Section):
     # A worker of a lock-step strategy (sync, model_parallel) that dies stops its group; the
     # driver restarts the strategy from the last checkpoint up to this many times.
     max_restarts: NonNegativeInt = 3
+
+    @field_validator("optimizer")
+    @classmethod
+    def _optimizer(cls, value: str) -> str:
+        if value in OPTIMIZER_NAMES or re.match(FACTORY, value):
+            return value
+        raise ValueError(
+            f"{value!r} is not an optimizer: use one of {', '.join(OPTIMIZER_NAMES)} or a "
+            "factory 'package.module:function'"
+        )
+
+    @field_validator("accumulate_steps")
+    @classmethod
+    def _micro_batches(cls, value: int, info: ValidationInfo) -> int:
+        batch = info.data.get("batch_size")
+        if batch is not None and batch % value:
+            raise ValueError(
+                f"does not divide train.batch_size = {batch}: each step's batch is split into "
+                "that many equal micro-batches; choose a divisor of the batch"
+            )
+        return value
 
     def total_steps(self, batches_per_epoch: int) -> int:
         """`steps`, or `epochs` passes of `batches_per_epoch` (per phase for layer-wise

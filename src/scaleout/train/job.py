@@ -7,6 +7,7 @@ from it. The job is typed: workers never re-validate a dict.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
@@ -14,9 +15,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from scaleout.compress.config import CompressSection
 from scaleout.config import Section
@@ -25,8 +25,11 @@ from scaleout.errors import ConfigError, FactoryError
 from scaleout.factories import call_factory, callable_name, load_callable
 from scaleout.nn.config import check_module
 from scaleout.nn.layerwise import LayerwiseModel
+from scaleout.nn.optim import OptimizerFactory, OptimizerSpec
 from scaleout.parallel import can_parallelize
 from scaleout.train.config import RunSection, TrainSection
+from scaleout.train.outputs import cross_entropy, logits_of
+from scaleout.train.user_metrics import MetricsFn, check_metrics
 
 S = TypeVar("S", bound=Section)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -103,6 +106,8 @@ class Job:
     model: ModelSource
     data: DataSource
     loss: LossFn | None = None  # None: `train.loss`, else cross-entropy
+    optimizer: OptimizerFactory | None = None  # fit(optimizer=fn); None: `train.optimizer`
+    metrics: MetricsFn | None = None  # fit(metrics=fn); None: `train.metrics`
     sections: dict[str, Section] = field(default_factory=dict)  # each strategy's own section
     record: dict[str, Any] = field(default_factory=dict)  # the config as JSON, for checkpoints
     probe: Probe | None = None  # set by `probe_job` on the driver
@@ -126,12 +131,35 @@ class Job:
 
     def loss_fn(self) -> LossFn:
         """The training loss: the function given to `scaleout.fit`, `train.loss`, or
-        cross-entropy."""
+        cross-entropy of the output's logits (`scaleout.train.outputs`)."""
         if self.loss is not None:
             return self.loss
         if self.train.loss is not None:
             return load_callable(self.train.loss, "train.loss")
-        return F.cross_entropy
+        return cross_entropy
+
+    def metrics_source(self) -> tuple[MetricsFn, str] | None:
+        """The user's test metrics and the name messages give them (None: none)."""
+        if self.metrics is not None:
+            return self.metrics, callable_name(self.metrics)
+        if self.train.metrics is not None:
+            return load_callable(self.train.metrics, "train.metrics"), self.train.metrics
+        return None
+
+    def optimizer_options(self, **changes: Any) -> OptimizerSpec:  # noqa: ANN401
+        """What builds the optimizer (a name, or the user's factory) from `[train]`,
+        with `changes` (e.g. a shard's `lr` and `schedule`)."""
+        train = self.train
+        spec = OptimizerSpec(
+            optimizer=self.optimizer if self.optimizer is not None else train.optimizer,
+            lr=train.lr,
+            momentum=train.momentum,
+            weight_decay=train.weight_decay,
+            warmup_steps=train.warmup_steps,
+            betas=train.betas,
+            eps=train.eps,
+        )
+        return dataclasses.replace(spec, **changes)
 
 
 def check_fits(model: nn.Module, train_set: Dataset, name: str, hint: str) -> nn.Module:
@@ -149,14 +177,13 @@ def check_fits(model: nn.Module, train_set: Dataset, name: str, hint: str) -> nn
             f"{hint}"
         ) from None
     num_classes = getattr(train_set, "num_classes", 0)
-    if (
-        num_classes
-        and isinstance(out, torch.Tensor)
-        and out.dim() == 2
-        and out.shape[-1] < num_classes
-    ):
+    try:
+        logits: torch.Tensor | None = logits_of(out)
+    except ValueError:
+        logits = None  # a user's loss reads it
+    if num_classes and logits is not None and logits.dim() == 2 and logits.shape[-1] < num_classes:
         raise ConfigError(
-            f"model ({name}) has {out.shape[-1]} outputs but the data has {num_classes} "
+            f"model ({name}) has {logits.shape[-1]} outputs but the data has {num_classes} "
             f"classes; {hint}"
         )
     return model.train()
@@ -166,7 +193,7 @@ def probe_job(job: Job) -> Probe:
     """Build the job's data and model once on the driver, before any worker starts: a
     factory that cannot be imported, raises or returns the wrong type fails here, as one
     line. The model is built on PyTorch's meta device (shapes, no memory) when it can be."""
-    train_set, _ = job.build_data()
+    train_set, test_set = job.build_data()
     try:
         with torch.device("meta"):
             model = job.model.build()
@@ -177,4 +204,22 @@ def probe_job(job: Job) -> Probe:
     partitionable = can_parallelize(model)
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     job.probe = Probe(len(train_set), layerwise, num_phases, partitionable, count)  # type: ignore[arg-type]
+    _probe_metrics(job, layerwise, train_set, test_set)
     return job.probe
+
+
+def _probe_metrics(job: Job, layerwise: bool, train_set: Dataset, test_set: Dataset) -> None:
+    """The user's metrics on one batch of two test examples through the real model: a
+    function that raises or returns anything but numbers fails here, as one line."""
+    source = job.metrics_source()
+    if source is None:
+        return
+    if layerwise:
+        raise ConfigError(
+            f"train.metrics = {source[1]!r}: model ({job.model.name}) trains layer-wise and "
+            "has no outputs to measure; leave train.metrics out"
+        )
+    model = job.build_model(train_set)
+    examples = [test_set[i] for i in range(min(2, len(test_set)))]  # type: ignore[arg-type]
+    x, y = default_collate(examples)[:2]
+    check_metrics(source[0], source[1], model, x, y)

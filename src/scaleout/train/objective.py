@@ -15,9 +15,11 @@ so windows of steps and the parts of a model-parallel worker add up exactly.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
@@ -25,6 +27,11 @@ from torch.utils.data import Dataset
 from scaleout.data import make_loader
 from scaleout.nn.layerwise import LayerwiseModel
 from scaleout.train.job import LossFn
+from scaleout.train.outputs import accuracy_sum, correct_counts, cross_entropy, is_class_target
+from scaleout.train.user_metrics import MetricsFn, MetricSums
+
+MetricSource = tuple[MetricsFn, str]  # a user's metrics function and its name
+MAX_LOG_PERPLEXITY = 700.0  # exp(700) ~ 1e304: a diverged loss gives a huge, finite number
 
 Reduce = Callable[[Tensor], Tensor]  # sums a worker's parts over its model-parallel group
 
@@ -34,23 +41,24 @@ def _no_reduce(values: Tensor) -> Tensor:
 
 
 def is_classification(dataset: Dataset) -> bool:
-    """Whether the targets are class indices (integers): accuracy is reported then."""
+    """Whether the targets are class indices (integers, of any shape): accuracy is reported
+    then, wherever the model's logits fit them (`scaleout.train.outputs`)."""
     example = dataset[0]
     if not isinstance(example, tuple | list) or len(example) < 2:
         return False
     target = example[1]
-    if isinstance(target, bool):
-        return False
-    if isinstance(target, int):
-        return True
-    return isinstance(target, Tensor) and target.dim() == 0 and not target.is_floating_point()
+    if isinstance(target, np.ndarray | np.integer):
+        target = torch.as_tensor(target)
+    return is_class_target(target)
 
 
-def objective_for(model: nn.Module, loss: LossFn, test_set: Dataset) -> Objective:
+def objective_for(
+    model: nn.Module, loss: LossFn, test_set: Dataset, metrics: MetricSource | None = None
+) -> Objective:
     """The objective of `model`: layer-wise when it has phases, else supervised."""
     if isinstance(model, LayerwiseModel):
         return Layerwise()
-    return Supervised(loss, is_classification(test_set))
+    return Supervised(loss, is_classification(test_set), metrics)
 
 
 class Objective(Protocol):
@@ -85,10 +93,15 @@ def _to_device(batch: Sequence[Tensor], device: torch.device, dtype: torch.dtype
 
 
 class Supervised:
-    """`loss(model(x), y)`; accuracy when the targets are class indices."""
+    """`loss(model(x), y)`; accuracy (token accuracy for sequence models) when the targets
+    are class indices the logits fit; perplexity with the default cross-entropy; the user's
+    metrics (`metrics`: the function and its name) at every evaluation."""
 
-    def __init__(self, loss: LossFn, classification: bool) -> None:
-        self.loss, self.classification = loss, classification
+    def __init__(
+        self, loss: LossFn, classification: bool, metrics: MetricSource | None = None
+    ) -> None:
+        self.loss, self.classification, self.metrics = loss, classification, metrics
+        self.perplexity = loss is cross_entropy
 
     def parameter_groups(self, model: nn.Module, phase: int, lr: float) -> Sequence[Any]:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
@@ -99,14 +112,16 @@ class Supervised:
     def step(
         self, model: nn.Module, forward: nn.Module, batch: Sequence[Tensor], phase: int
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one minibatch, and its sums (detached): loss x examples, and the
-        number of right predictions."""
+        """The loss of one minibatch, and its sums (detached): loss x examples, and
+        accuracy x examples (right predictions, for one target per example)."""
         x, y = batch[0], batch[1]
-        out = forward(x)  # (N, num_classes) for classifiers
+        out = forward(x)  # (N, C), (N, T, C), a tuple, a ModelOutput, ...
         loss = self.loss(out, y)
         sums = {"loss": loss.detach() * len(y)}
         if self.classification:
-            sums["correct"] = (out.detach().argmax(dim=1) == y).sum()
+            correct = accuracy_sum(_detached(out), y)
+            if correct is not None:
+                sums["correct"] = correct
         return loss, sums
 
     @torch.inference_mode()
@@ -119,28 +134,47 @@ class Supervised:
         phase: int = 0,
         reduce: Reduce = _no_reduce,
     ) -> dict[str, float]:
-        """Mean loss (and accuracy) of `model` on `test_set`, in eval mode."""
+        """Mean loss, accuracy (over every target counted), perplexity and the user's
+        metrics of `model` on `test_set`, in eval mode."""
         was_training = model.training
         model.eval()
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        correct = torch.zeros((), device=device, dtype=torch.long)
+        right = torch.zeros((), device=device, dtype=torch.long)
+        counted = torch.zeros((), device=device, dtype=torch.long)
+        fits = self.classification
+        user = MetricSums(*self.metrics) if self.metrics is not None else None
         dtype = next(model.parameters()).dtype  # e.g. float64 for Sandblaster's convex runs
         loader = make_loader(test_set, batch_size, shuffle=False, pin_memory=device.type == "cuda")
         for batch in loader:
             x, y = _to_device(batch, device, dtype)
             out = model(x)
             loss_sum += self.loss(out, y).double() * len(y)
-            if self.classification:
-                correct += (out.argmax(dim=1) == y).sum()
+            if fits:
+                counts = correct_counts(out, y)
+                if counts is None:
+                    fits = False
+                else:
+                    right += counts[0]
+                    counted += counts[1]
+            if user is not None:
+                user.add(out, y)
         model.train(was_training)
         count = len(test_set)  # type: ignore[arg-type]
         metrics = {"test_loss": loss_sum.item() / count}
-        if self.classification:
-            metrics["test_accuracy"] = correct.item() / count
+        if fits:
+            metrics["test_accuracy"] = right.item() / max(counted.item(), 1)
+        if self.perplexity:
+            metrics["test_perplexity"] = math.exp(min(metrics["test_loss"], MAX_LOG_PERPLEXITY))
+        if user is not None:
+            metrics.update(user.means())
         return metrics
 
     def phase_metrics(self, model: nn.Module, phase: int) -> dict[str, Any]:
         return {}
+
+
+def _detached(output: Any) -> Any:  # noqa: ANN401
+    return output.detach() if isinstance(output, Tensor) else output
 
 
 class Layerwise:

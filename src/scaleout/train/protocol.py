@@ -52,7 +52,9 @@ class Chunk:
 
     `loss_sum` (and every entry of `term_sums`, e.g. a layer-wise objective's terms) is a sum
     of per-example values, so the driver's windowed means weigh every example equally;
-    `correct` counts right predictions when the targets are class indices; `fields` are
+    `correct` is the accuracy x examples when the targets are class indices (right
+    predictions for one target per example; token accuracy x sequences for a sequence
+    model); `fields` are
     latest values copied into the next metrics line as they are (epoch, lr, a strategy's
     own statistics; `loss` there overrides the windowed mean, e.g. L-BFGS's objective).
     `seconds`: training time the steps took (None: the wall time of the call). `stopped`:
@@ -61,7 +63,7 @@ class Chunk:
     steps: int = 0
     examples: int = 0
     loss_sum: float = 0.0
-    correct: int | None = None
+    correct: float | None = None
     term_sums: dict[str, float] = field(default_factory=dict)
     fields: dict[str, Any] = field(default_factory=dict)
     seconds: float | None = None

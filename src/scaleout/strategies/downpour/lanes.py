@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import torch
 
+from scaleout.nn.schedule import Schedule
 from scaleout.progress import console
 from scaleout.ps import ParameterServer
 from scaleout.rundir import RunDir
@@ -54,8 +55,10 @@ class Lanes:
             + (f", {workers} grid workers each" if workers > 1 else ""),
         )
 
-    def start(self, phase: int, initial: Initial) -> None:
-        """Start the shards of `phase` from `initial` (replica 0's values), all at once."""
+    def start(self, phase: int, initial: Initial, schedule: Schedule, start_step: int = 0) -> None:
+        """Start the shards of `phase` from `initial` (replica 0's values), all at once,
+        stepping at `schedule`'s learning rate from global step `start_step` (where a shard
+        has no checkpoint of its own to resume)."""
         self.retire()
         opts = self.opts
         single = len(initial) == 1 and len(initial[0]) == 1
@@ -75,7 +78,7 @@ class Lanes:
                     ParameterServer.create(
                         values,
                         min(opts.num_shards, values.numel()),
-                        self.job.train.model_copy(update={"lr": lr}),
+                        self.job.optimizer_options(lr=lr, schedule=schedule),
                         self.job.compress,
                         root,
                         opts.shard_checkpoint_every,
@@ -84,6 +87,7 @@ class Lanes:
                         wait=False,  # start every lane's processes at once
                         backups=self.backups,
                         shared_memory=opts.shared_memory,
+                        start_step=start_step,
                     )
                 )
             self.servers.append(lane)

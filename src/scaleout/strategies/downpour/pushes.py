@@ -1,6 +1,7 @@
 """Downpour's push records: `pushes.jsonl` in the run directory (one line per push: wall
-time, replica (and grid worker), loss, staleness, bytes sent and received, seconds spent
-fetching, computing and pushing), and the statistics of a metrics line's window."""
+time, replica (and grid worker), steps, loss, staleness, bytes sent and received, seconds
+spent fetching, computing and pushing, the gradient's norm before clipping), and the
+statistics of a metrics line's window."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ class Pushes:
         self.steps = 0
         self._window = _Window()
 
-    def log(self, records: list[dict[str, Any]], step: int, examples: int, lr: float) -> None:
+    def log(
+        self, records: list[dict[str, Any]], step: int, examples: int, lr: float | None
+    ) -> None:
         """Write the records of pushes the shards applied (`t`: wall time of the push)."""
         for push in records:
             push["time_s"] = round(push.pop("t") - self.wall_start, 4)
@@ -48,6 +51,7 @@ class _Window:
         self.staleness: list[float] = []
         self.staleness_max = 0
         self.bytes_sent = self.bytes_received = 0
+        self.grad_norms: list[float] = []
 
     def add(self, push: dict[str, Any]) -> None:
         if push.get("staleness") is not None:
@@ -55,11 +59,13 @@ class _Window:
             self.staleness_max = max(self.staleness_max, push["staleness_max"])
         self.bytes_sent += push.get("bytes_sent", 0)
         self.bytes_received += push.get("bytes_received", 0)
+        if push.get("grad_norm") is not None:
+            self.grad_norms.append(push["grad_norm"])
 
     def fields(self, steps: int, batch_size: int) -> dict[str, Any]:
         seconds = max(time.perf_counter() - self.started, 1e-9)
         updates = steps / seconds
-        return {
+        fields: dict[str, Any] = {
             "updates_per_s": updates,
             "examples_per_s": updates * batch_size,
             "staleness_mean": sum(self.staleness) / len(self.staleness) if self.staleness else None,
@@ -67,3 +73,6 @@ class _Window:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
         }
+        if self.grad_norms:  # the pushes' gradient norms before clipping, their mean
+            fields["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        return fields

@@ -42,6 +42,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from scaleout.data import num_batches
 from scaleout.errors import ConfigError, UserError
 from scaleout.metrics import truncate_metrics
+from scaleout.nn.optim import check_elementwise, is_factory
 from scaleout.progress import console
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share
@@ -50,12 +51,33 @@ from scaleout.strategies.downpour.failures import ReplicaFailures
 from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica, placement
-from scaleout.strategies.model_parallel import ModelParallelSection, check_partitionable
+from scaleout.strategies.model_parallel import (
+    ModelParallelSection,
+    check_grid_steps,
+    check_partitionable,
+)
 from scaleout.strategies.worker import chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
+from scaleout.train.step import schedule_for
 
 CHUNK_STEPS = 20  # most steps handed to a replica at once
+
+
+def check_replica_steps(job: Job, grid: bool) -> None:
+    """What a Downpour step can be, one line each otherwise: the shards step the optimizer
+    on flat slices (element-wise only); a replica pushes gradients and steps no optimizer
+    of its own, so fp16's loss scaling (a GradScaler steps an optimizer) has no place; a
+    grid replica's gradient is in parts, whose global norm is not clipped here."""
+    check_elementwise(job.optimizer_options())
+    if job.run.precision == "fp16":
+        raise ConfigError(
+            'run.precision = "fp16" with train.strategy = "downpour": a replica pushes its '
+            "gradient and has no optimizer for fp16's loss scaling to step; use "
+            'run.precision = "bf16", which needs none'
+        )
+    if grid:
+        check_grid_steps(job)
 
 
 class Downpour(ReplicaFailures):
@@ -91,6 +113,7 @@ class Downpour(ReplicaFailures):
                 f"{probe.train_size} examples, and each replica trains on a part of its own; "
                 f"use at most {probe.train_size} replicas or more data"
             )
+        check_replica_steps(job, self.grid is not None)
         self.run = RunDir(job.run_dir)
         num = self.opts.num_replicas
         self.positions: list[dict[str, int] | None] = [None] * num
@@ -124,6 +147,8 @@ class Downpour(ReplicaFailures):
             self._plan = Plan(per_phase, per_epoch)
         else:
             self._plan = Plan(per_phase * probe.num_phases, per_epoch, probe.num_phases, per_phase)
+        # the shards' learning rate: Adagrad's default warm-up is 200 updates of n_push steps
+        self.schedule = schedule_for(self.cfg, per_phase, steps_per_update=self.opts.n_push)
         return self._plan
 
     def _phase_of(self, step: int) -> int:
@@ -232,7 +257,8 @@ class Downpour(ReplicaFailures):
         if self._plan.phase_steps and phase > 0 and fresh:  # for replicas restarted later
             self.weights = self._ask_first_alive("state", doing="starting a phase")[0][0]
         initial = self._ask_first_alive("begin_phase", phase, fresh, doing="starting a phase")
-        self.lanes.start(phase, initial)
+        phase_start = phase * self._plan.phase_steps if self._plan.phase_steps else 0
+        self.lanes.start(phase, initial, self.schedule, 0 if fresh else self.step - phase_start)
         attach = [
             (r, replica.submit_each("attach", self._attach_args(replica, fresh)))
             for r, replica in enumerate(self.replicas)
@@ -353,7 +379,7 @@ class Downpour(ReplicaFailures):
         self.positions[replica_id] = out["position"]
         part = chunk_of(out)
         part.seconds = None  # replicas run at once: the call's wall time counts (`train`)
-        for key in ("epoch", "data_wait_s"):  # one replica's, not the run's
+        for key in ("epoch", "data_wait_s", "lr"):  # one replica's, not the run's
             part.fields.pop(key, None)
         chunk.add(part)
         assert self.pushes is not None
@@ -364,7 +390,7 @@ class Downpour(ReplicaFailures):
     def _log_pushes(self, records: list[dict[str, Any]]) -> None:
         assert self.pushes is not None
         self.shard_updates_lost += sum(r.get("updates_lost", 0) for r in records)
-        self.pushes.log(records, self.step, self.examples, self.cfg.lr)
+        self.pushes.log(records, self.step, self.examples, self._lr())
 
     def finish(self) -> Chunk:
         """Wait for the chunks still running; every replica pushes what is left."""
@@ -378,10 +404,21 @@ class Downpour(ReplicaFailures):
 
     # --- metrics, evaluation, checkpoints --------------------------------------------------
 
+    def _lr(self) -> float | None:
+        """The shards' learning rate at the current global step (None for a factory's
+        optimizer, whose base rate the driver does not know)."""
+        if is_factory(self.job.optimizer_options().optimizer):
+            return None
+        assert self._plan is not None
+        phase_steps = self._plan.phase_steps
+        step = self.step - self.phase * phase_steps if phase_steps else self.step
+        return self.cfg.lr * self.schedule.factor(step)
+
     def metrics(self) -> dict[str, Any]:
         self._check_shards()
         assert self.pushes is not None
         fields = self.pushes.window(self.cfg.batch_size)
+        fields["lr"] = self._lr()
         alive = sum(self.alive)
         fields["replicas_alive"] = alive
         fields["_bar"] = {

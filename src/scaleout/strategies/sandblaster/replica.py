@@ -28,6 +28,7 @@ from torch.utils.data import default_collate
 from scaleout.ps.layout import FlatParameters
 from scaleout.strategies.sandblaster import SandblasterSection
 from scaleout.train.job import Job
+from scaleout.train.outputs import correct_counts
 
 
 class SandblasterReplica:
@@ -91,11 +92,12 @@ class SandblasterReplica:
                 self._fetch_x()
                 self.x_version = x_version
             x, y = self._portion(start, stop)
-            logits = self.model(x.to(self.dtype))  # (n, num_classes)
-            loss = self.loss(logits, y) * (stop - start)  # the portion's sum
+            output = self.model(x.to(self.dtype) if x.is_floating_point() else x)
+            loss = self.loss(output, y) * (stop - start)  # the portion's sum
             loss.backward()  # into self.flat.grads
             loss = loss.detach()
-            correct = int((logits.argmax(dim=1) == y).sum()) if logits.dim() == 2 else 0
+            counts = correct_counts(output, y)
+            correct = int(counts[0]) if counts is not None else 0
             with self.sum_lock:
                 self.pending[(batch_id, portion)] = self.flat.grads.clone()
             self.flat.zero_grads()

@@ -51,6 +51,34 @@ from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 from scaleout.train.state import model_tensors
 
 
+def check_batch_method(job: Job) -> None:
+    """L-BFGS takes its own steps along a line search, on the whole batch's gradient in
+    `sandblaster.dtype`: a learning-rate schedule, clipping, micro-batches (its portions
+    already split the batch) and autocast have no place in it; one line each."""
+    train, strategy = job.train, 'train.strategy = "sandblaster"'
+    if train.lr_schedule != "constant":
+        raise ConfigError(
+            f'train.lr_schedule = "{train.lr_schedule}" with {strategy}: L-BFGS chooses its '
+            "own step sizes by line search; leave train.lr_schedule out"
+        )
+    if train.grad_clip_norm is not None:
+        raise ConfigError(
+            f"train.grad_clip_norm with {strategy}: clipping would change the gradient its "
+            "line search relies on; leave train.grad_clip_norm out"
+        )
+    if train.accumulate_steps != 1:
+        raise ConfigError(
+            f"train.accumulate_steps = {train.accumulate_steps} with {strategy}: its replicas "
+            "already sum the batch's gradient over portions (sandblaster.portion_size); "
+            "leave train.accumulate_steps out"
+        )
+    if job.run.precision != "fp32":
+        raise ConfigError(
+            f'run.precision = "{job.run.precision}" with {strategy}: it computes in '
+            'sandblaster.dtype; use run.precision = "fp32"'
+        )
+
+
 class Interrupted(Exception):
     """Ctrl-C between two objective evaluations."""
 
@@ -67,6 +95,7 @@ class Sandblaster:
                 'train.strategy = "sandblaster" trains supervised models; model '
                 f'({job.model.name}) trains layer-wise: use strategy "single" or "downpour"'
             )
+        check_batch_method(job)
         probe = job.probe
         if probe is not None and self.opts.num_shards > probe.num_parameters:
             raise ConfigError(
