@@ -72,8 +72,8 @@ def test_overrides_parse_toml_values(tmp_path):
         ),
         (
             GOOD,
-            ["train.optimizer=adamw"],
-            "train.optimizer = 'adamw': Input should be 'sgd', 'momentum'",
+            ["train.optimizer=lamb"],
+            "train.optimizer = 'lamb': 'lamb' is not an optimizer: use one of sgd, momentum",
         ),
         (GOOD, ["data.path='/no/such/dir'"], "data.path /no/such/dir is not an existing directory"),
         (GOOD, ["model.sizes=[784]"], "model.sizes = [784]: List should have at least 2 items"),
@@ -128,7 +128,7 @@ def test_several_errors_one_line_each(tmp_path):
 
 def test_cli_exit_status_and_no_traceback(tmp_path):
     """The real command, as a user runs it: status 2 and a single line on stderr."""
-    path = write(tmp_path, GOOD + "lr_schedule = 'cosine'\n")
+    path = write(tmp_path, GOOD + "lr_scheduler = 'cosine'\n")
     proc = subprocess.run(
         [sys.executable, "-m", "scaleout.cli", "train", str(path)],
         capture_output=True,
@@ -138,4 +138,4 @@ def test_cli_exit_status_and_no_traceback(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert "train.lr_schedule: unknown key" in proc.stderr
+    assert "train.lr_scheduler: unknown key" in proc.stderr

@@ -58,3 +58,28 @@ def test_own_loop_on_the_parameter_server(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = float(proc.stdout.split("test accuracy")[-1].split("%")[0])
     assert accuracy >= 85.0, proc.stdout
+
+
+def test_char_lm_from_toml_reports_token_accuracy_and_perplexity(tmp_path, monkeypatch):
+    """examples/char_lm.toml as a user runs it (shortened): AdamW, cosine schedule,
+    clipping and two micro-batches a step; the run logs the lr it scheduled, the gradient
+    norm, token accuracy and perplexity."""
+    monkeypatch.chdir(REPO)
+    overrides = [
+        f'run.out_dir="{tmp_path}"',
+        "train.steps=30",
+        "train.warmup_steps=5",
+        "train.eval_every=15",
+        "train.log_every=5",
+        "train.accumulate_steps=2",
+        "data.kwargs={block = 64, max_chars = 200000}",
+    ]
+    argv = ["train", "examples/char_lm.toml"] + [a for o in overrides for a in ("--set", o)]
+    assert main(argv) == 0
+    records = read_metrics(tmp_path / "char_lm_toml" / "metrics.jsonl")
+    assert {"lr", "grad_norm"} <= records[0].keys()
+    assert records[-1]["lr"] < records[0]["lr"] <= 3e-3
+    last = records[-1]
+    assert last["test_loss"] < records[2]["test_loss"] < 4.85  # below chance (ln 128)
+    assert 0.1 < last["test_accuracy"] < 1
+    assert last["test_perplexity"] == pytest.approx(2.718281828 ** last["test_loss"], rel=1e-6)

@@ -94,6 +94,17 @@ def unshared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return kept, aliases
 
 
+def on_cpu_shared_once(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` detached and on the CPU, each alias (`unshared`) the very tensor object of
+    the name it shares: the sharing survives pickling (a worker's state sent through Ray)
+    and the checkpoint saves it once."""
+    kept, aliases = unshared(tensors)
+    moved = {name: tensor.cpu() for name, tensor in kept.items()}
+    for alias, name in aliases.items():
+        moved[alias] = moved[name]
+    return {name: moved[name] for name in tensors}
+
+
 def save_checkpoint(stem: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
     """Write `<stem>.safetensors` and then `<stem>.json`; return the sidecar's path."""
     kept, aliases = unshared(tensors)

@@ -77,8 +77,8 @@ class OptimizerSpec:
     momentum: float = 0.9
     weight_decay: float = 0.0
     warmup_steps: int | None = None  # None: DEFAULT_WARMUP's
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    betas: tuple[float, float] | None = None  # None: torch's default (0.9, 0.999)
+    eps: float | None = None  # None: the optimizer's own default
     schedule: Schedule | None = None
 
 
@@ -142,8 +142,12 @@ def _from_factory(params: list[Any], optimizer: str | OptimizerFactory) -> torch
 
 def _torch_optimizer(params: list[Any], options: OptimizerOptions) -> torch.optim.Optimizer:
     lr, decay = options.lr, options.weight_decay
-    betas = tuple(getattr(options, "betas", (0.9, 0.999)))
-    eps = getattr(options, "eps", 1e-8)
+    given: dict[str, Any] = {}  # betas and eps where set; else each optimizer's own default
+    if getattr(options, "eps", None) is not None:
+        given["eps"] = options.eps  # type: ignore[attr-defined]
+    moments = dict(given)
+    if getattr(options, "betas", None) is not None:
+        moments["betas"] = tuple(options.betas)  # type: ignore[attr-defined]
     match options.optimizer:
         case "sgd":
             return torch.optim.SGD(params, lr=lr, weight_decay=decay)
@@ -151,17 +155,17 @@ def _torch_optimizer(params: list[Any], options: OptimizerOptions) -> torch.opti
             return torch.optim.SGD(params, lr=lr, momentum=options.momentum, weight_decay=decay)
         case "adagrad":
             return torch.optim.Adagrad(
-                params, lr=lr, weight_decay=decay, eps=eps, fused=_fused(params)
+                params, lr=lr, weight_decay=decay, fused=_fused(params), **given
             )
         case "rmsprop":
-            return torch.optim.RMSprop(params, lr=lr, weight_decay=decay, eps=eps)
+            return torch.optim.RMSprop(params, lr=lr, weight_decay=decay, **given)
         case "adam":
             return torch.optim.Adam(
-                params, lr=lr, betas=betas, eps=eps, weight_decay=decay, fused=_fused(params)
+                params, lr=lr, weight_decay=decay, fused=_fused(params), **moments
             )
         case "adamw":
             return torch.optim.AdamW(
-                params, lr=lr, betas=betas, eps=eps, weight_decay=decay, fused=_fused(params)
+                params, lr=lr, weight_decay=decay, fused=_fused(params), **moments
             )
     raise ConfigError(
         f"train.optimizer = {options.optimizer!r} is not an optimizer: use one of "
@@ -213,8 +217,12 @@ def check_elementwise(options: OptimizerOptions) -> None:
         f"train.optimizer = {name!r} does not step element by element, and a Downpour shard "
         "holds a flat slice of the parameters that cuts across tensors"
     )
+    fix = (
+        "use it with strategy single or sync, or an element-wise optimizer (sgd, adam, "
+        "adamw, ...) with downpour"
+    )
+    one = build_optimizer([whole], options)  # a factory that fails here fails everywhere
     try:
-        one = build_optimizer([whole], options)
         two = [build_optimizer([piece], options) for piece in pieces]
         for grad in grads:
             whole.grad = grad
@@ -223,17 +231,14 @@ def check_elementwise(options: OptimizerOptions) -> None:
             pieces[0].grad, pieces[1].grad = flat_grad[:23], flat_grad[23:]
             for optimizer in two:
                 optimizer.step()
-    except ConfigError:
-        raise
     except Exception as err:  # noqa: BLE001 - e.g. an optimizer that needs 2-D tensors
-        raise ConfigError(
-            f"{why} ({type(err).__name__} on a 1-D slice): use it with strategy single or "
-            "sync, or an element-wise optimizer (sgd, adam, adamw, ...) with downpour"
-        ) from None
+        cause = err.__cause__ or err
+        raise ConfigError(f"{why} (on a 1-D slice: {_first_line(cause)}): {fix}") from None
     stepped = torch.cat([pieces[0].detach(), pieces[1].detach()])
     if not torch.allclose(whole.detach().reshape(-1), stepped, rtol=1e-5, atol=1e-6):
-        raise ConfigError(
-            f"{why} (a (6, 10) tensor and its two slices moved differently): use it with "
-            "strategy single or sync, or an element-wise optimizer (sgd, adam, adamw, ...) "
-            "with downpour"
-        )
+        raise ConfigError(f"{why} (a (6, 10) tensor and its two slices moved differently): {fix}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from scaleout.checkpoint import load_optimizer_state
+from scaleout.checkpoint import load_optimizer_state, on_cpu_shared_once
 from scaleout.data import derive_seed
 from scaleout.errors import UserError
 from scaleout.parallel import parts
@@ -57,7 +57,7 @@ class WorkerState:
                 tensors = self._gathered(tensors)
         if self.layerwise:
             meta["stack"] = self.phase
-        return {k: v.detach().cpu() for k, v in tensors.items()}, meta
+        return on_cpu_shared_once(tensors), meta
 
     def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """A grid worker's state as the whole replica's: its filters (and their optimizer

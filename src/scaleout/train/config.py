@@ -21,6 +21,7 @@ from scaleout.nn.optim import OPTIMIZER_NAMES
 from scaleout.nn.schedule import ScheduleName
 
 Precision = Literal["fp32", "bf16", "fp16"]
+Beta = Annotated[float, Field(ge=0, lt=1)]
 FACTORY = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # "package.module:function"
 
 
@@ -54,11 +55,9 @@ class TrainSection(Section):
     lr: PositiveFloat = 0.01
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9  # "momentum"; rmsprop/adam ignore it
     weight_decay: NonNegativeFloat = 0.0  # adamw: decoupled from the gradient
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
-        0.9,
-        0.999,
-    )  # adam, adamw
-    eps: PositiveFloat = 1e-8  # adagrad, rmsprop, adam, adamw
+    # adam, adamw: the moments' decay rates; None: torch's (0.9, 0.999)
+    betas: tuple[Beta, Beta] | None = None
+    eps: PositiveFloat | None = None  # adagrad, rmsprop, adam, adamw; None: torch's default
     # the learning rate of each global step (`scaleout.nn.schedule`)
     lr_schedule: ScheduleName = "constant"
     # steps of linear learning-rate warm-up; None: 200 for adagrad, else 0

@@ -127,7 +127,9 @@ class Sandblaster:
         self.num_examples = min(self.opts.batch_size or len(train), len(train))  # type: ignore[arg-type]
         dtype = getattr(torch, self.opts.dtype)
         self.model = job.build_model(train).to(self.device, dtype).eval()
-        self.objective = Supervised(job.loss_fn(), is_classification(self.test_set))
+        self.objective = Supervised(
+            job.loss_fn(), is_classification(self.test_set), job.metrics_source()
+        )
         self.flat = FlatParameters(self.model)
         self.ranges = shard_ranges(self.flat.numel, self.opts.num_shards)
         check_capacity(
