@@ -287,3 +287,35 @@ def test_element_wise_optimizers_pass_and_whole_tensor_ones_are_named():
         check_elementwise(OptimizerSpec(lambda p: Lamb(p)))
     with pytest.raises(ConfigError, match="does not step element by element.*on a 1-D slice"):
         check_elementwise(OptimizerSpec(lambda p: torch.optim.Muon(p, lr=0.01)))
+
+
+# --- a parameter-server shard's schedule ----------------------------------------------------
+
+
+@pytest.fixture
+def one_thread_after():
+    threads = torch.get_num_threads()  # a shard sets one thread, as in its own process
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_shard_steps_at_the_rate_of_each_pushs_last_step(tmp_path, one_thread_after):
+    """A push of n steps is applied at the schedule's rate of its last step, and the shard
+    counts the steps its pushes carried, through a checkpoint too."""
+    from scaleout.ps import ParameterShard, Wire
+
+    spec = OptimizerSpec("sgd", lr=1.0, schedule=Schedule("linear", 0, 10))
+    shard = ParameterShard(0, 4, spec, checkpoint_dir=str(tmp_path / "shard"))
+    shard.initialize(torch.zeros(4).numpy(), step=0)
+    shard.push(Wire().encode(torch.ones(4)), shard.version, "c", 1, 3)  # steps 0, 1, 2
+    torch.testing.assert_close(shard.param.detach(), torch.full((4,), -0.8))  # lr(2) = 0.8
+    shard.push(Wire().encode(torch.ones(4)), shard.version, "c", 2, 2)  # steps 3, 4
+    torch.testing.assert_close(shard.param.detach(), torch.full((4,), -1.4))  # + lr(4) = 0.6
+    assert shard.steps == 5
+    shard.checkpoint()
+    again = ParameterShard(0, 4, spec, checkpoint_dir=str(tmp_path / "shard"))
+    assert again.steps == 5 and again.restored_version == 2
+    started = ParameterShard(1, 4, spec)
+    started.initialize(torch.zeros(4).numpy(), step=7)  # resumed from the driver's step 7
+    started.push(Wire().encode(torch.ones(4)), 0, "c", 1, 1)
+    torch.testing.assert_close(started.param.detach(), torch.full((4,), -0.3))  # lr(7)

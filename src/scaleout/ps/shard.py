@@ -7,7 +7,7 @@ equal one optimizer stepping the whole vector). Versions count applied updates; 
 staleness of a push is the shard's version when it arrives minus the version the replica
 had fetched. The learning rate of an update is the schedule's at the global step the shard
 knows: the steps every push it applied carried (a replica's push of n_push steps counts
-n_push), from the step it started at.
+n_push), from the step it started at, up to the push's last step.
 
 With a backup (`backup`, see `scaleout.ps.backup`) every update is applied by a second
 actor too before the push is acknowledged, and a primary that dies is replaced by its
@@ -201,7 +201,8 @@ class ParameterShard:
             # stepped where the gradient lies (a client's inbox, Ray's store, a decoded
             # tensor): the optimizers only read it, and a 3.7 MB copy costs ~0.6 ms cold
             self.param.grad = grad
-            apply_lr(self.optimizer, self.schedule, self.steps)
+            # the rate of the push's last step (n_push steps: steps .. steps + n_push - 1)
+            apply_lr(self.optimizer, self.schedule, self.steps + max(steps, 1) - 1)
             self.optimizer.step()
             self.param.grad = None
             self.version += 1
