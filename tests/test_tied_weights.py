@@ -168,15 +168,19 @@ def test_downpour_trains_checkpoints_and_resumes(ray_session, tmp_path):
     assert all(line["lr"] <= 0.01 for line in lines if line.get("lr") is not None)
 
 
-def test_sandblaster_trains_a_tied_model_and_refuses_a_schedule(ray_session, tmp_path):
+def test_sandblaster_trains_and_resumes_a_tied_model_and_refuses_a_schedule(ray_session, tmp_path):
     config = lm_config(tmp_path, "sandblaster", "sandblaster")
     config["train"].update(lr_schedule="constant", grad_clip_norm=None)
     with pytest.raises(UserError, match='lr_schedule = "cosine" with train.strategy'):
         prepare(config, overrides=["train.lr_schedule='cosine'"])
-    result = fit(config)
+    first = fit(config, "sandblaster.max_iterations=3")
+    assert first.step == 3
+    result = fit(config, resume=True)  # from the shards' state, to the config's 6
+    assert result.step == 6
     tensors, _ = final(result)
     assert tensors["model.head.weight"] is tensors["model.tokens.weight"]
     losses = [r["loss"] for r in read_metrics(RunDir(result.run_dir).metrics)]
+    assert [r["step"] for r in read_metrics(RunDir(result.run_dir).metrics)][-1] == 6
     assert losses[-1] < losses[0]
 
 
