@@ -23,6 +23,7 @@ from scaleout.api import prepare  # noqa: E402
 from scaleout.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from scaleout.errors import UserError  # noqa: E402
 from scaleout.metrics import read_metrics  # noqa: E402
+from scaleout.parallel import synced_state  # noqa: E402
 from scaleout.ps import FlatParameters  # noqa: E402
 from scaleout.rundir import RunDir  # noqa: E402
 from scaleout.train.state import load_model_weights, model_tensors  # noqa: E402
@@ -104,6 +105,8 @@ def test_flat_layouts_count_a_tied_parameter_once():
     assert flat.numel == sum(p.numel() for p in model.parameters())
     assert flat.numel < sum(t.numel() for t in model.state_dict().values())
     assert model.head.weight.data_ptr() == model.tokens.weight.data_ptr()  # still one
+    averaged = synced_state(model, torch.optim.SGD(model.parameters(), lr=0.1))  # sync average
+    assert sum(t.numel() for t in averaged) == flat.numel  # no buffers, no momentum here
 
     untied = CharGPT(**TINY)
     untied.head.weight = torch.nn.Parameter(untied.tokens.weight.data)  # two, one memory
