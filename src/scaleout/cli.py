@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--one-box",
         action="store_true",
-        help="the machines are testnet hosts of this box: own links, the box's cores shared",
+        help="the machines are testnet hosts of one machine: own links, its cores shared",
     )
     simulate.add_argument(
         "--out", type=Path, default=Path("results/sim"), help="writes simulate.json and .png"

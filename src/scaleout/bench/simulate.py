@@ -4,26 +4,25 @@ First `scaleout calibrate` measures this machine for every model below (compute 
 threads, calls through a real shard, codecs, gloo, checkpoints): costs of pieces, never a
 whole run. Then each configuration below runs for real `REPEATS` times (short runs of 8-10 s,
 with evaluations and a checkpoint as a user's run has them) and is simulated with `--machines 1`
-(every process on this box, as `scaleout train` runs it). A row is the prediction's error in
+(every process on this machine, as `scaleout train` runs it). A row is the prediction's error in
 percent of the measured median: `simulated examples/s / measured - 1`; the spread of the
 repeats (max - min over the median) is in its name, the summary rows give the mean and the
 worst absolute error against the issue's targets (7% and 20%).
 
-This box's speed drifts by up to 35% within 10 minutes, more than the simulator's own
-errors, and the suite lasts over an hour; its calls between processes drift more than its
-compute (the 2x2 demo ran at 4,559 ex/s in one suite and at 6,166 on a later day). So what a
-case's runs lean on (`recalibrate`: its model's compute, and the calls and codecs its
-strategy uses; the rest of the calibration is kept) is measured again right before its
-repeats and right after them, and the case is predicted with each of the two; the row is
-the mean of the two predictions. Consecutive cases of one model and strategy share the
-measurement between them. The prediction from the one calibration made at the start is
-reported beside it (notes, and a summary row without a target). An earlier per-case
-re-measurement, taken before the runs only, made the rows worse (mean 17% against 11%).
+A shared machine's speed drifts within minutes by more than the simulator's own errors,
+and the suite lasts over an hour; its calls between processes drift more than its compute
+(figures: `results/measurements.md`). So what a case's runs lean on (`recalibrate`: its
+model's compute, and the calls and codecs its strategy uses; the rest of the calibration
+is kept) is measured again right before its repeats and right after them, and the case is
+predicted with each of the two; the row is the mean of the two predictions. Consecutive
+cases of one model and strategy share the measurement between them. The prediction from
+the one calibration made at the start is reported beside it (notes, and a summary row
+without a target).
 
-The cases with a link rate run across two testnet hosts of this box joined at that rate
+The cases with a link rate run across two testnet hosts of this machine joined at that rate
 (`simulate_testnet`: one replica and one shard a host, as the simulator places them on two
 machines; root needed, else they are left out with a note) and are simulated on two machines
-sharing this box's cores, over the link measured between two hosts at that rate.
+sharing this machine's cores, over the link measured between two hosts at that rate.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ class Case:
     name: str
     config: str  # under configs/
     overrides: tuple[str, ...] = ()
-    link: str | None = None  # two testnet hosts joined at this rate; None: this box alone
+    link: str | None = None  # two testnet hosts joined at this rate; None: one machine alone
 
 
 def _downpour(name: str, *overrides: str, link: str | None = None) -> Case:
@@ -150,8 +149,9 @@ def _measured(case: Case, root: Path) -> float:
 def _simulated(
     case: Case, root: Path, calibration: Path, networks: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
-    """The simulation of `case` priced by `calibration`: on this box alone (`--machines 1`),
-    or for a testnet case on two machines of this box over its measured link."""
+    """The simulation of `case` priced by `calibration`: on this machine alone
+    (`--machines 1`), or for a testnet case on two machines sharing its cores over the
+    measured link."""
     from scaleout.sim.simulate import Request, simulate
 
     request = Request(
@@ -311,7 +311,7 @@ def _summary(outcomes: list[_Outcome]) -> list[Row]:
     ]
 
 
-@register_suite("simulate", "the simulator against held-out real runs on this box")
+@register_suite("simulate", "the simulator against held-out real runs on this machine")
 def run() -> SuiteResult:
     from scaleout.api import load_config
     from scaleout.sim.calibrate import calibrate

@@ -1,11 +1,11 @@
 """The `simulate` suite's cases across two testnet hosts: real runs and their calibration.
 
-A case with a link rate runs on two `../shared/tools/testnet` hosts of this box joined by
+A case with a link rate runs on two `../shared/tools/testnet` hosts of this machine joined by
 a link at that rate (`scaleout.bench.testnet`): a Ray node in each offering one CPU, the
 driver in host 0. Each replica needs a CPU, so each host runs one; the shards take none:
 with backups primary i starts on host i mod 2, without them Ray spreads them, mostly one a
 host. That is the simulator's placement on two machines (one replica a machine, shard i on
-machine i mod 2), with `one_box` (the hosts share this box's cores). The run's own
+machine i mod 2), with `one_box` (the hosts share this machine's cores). The run's own
 placement, kept in its checkpoints, is checked: a run that put both shards on one host
 (Ray's spreading does, now and then; a node's custom resources must be whole numbers, so
 they cannot hold it to one shard) is run again, up to `ATTEMPTS` times.

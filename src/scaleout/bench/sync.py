@@ -277,7 +277,7 @@ def run() -> SuiteResult:
             "lower",
             target=1.05,
         ),
-        # 2 workers and their 2 loader processes share this box's 2 cores: no target
+        # on 2 cores, 2 workers and their 2 loader processes share them: no target
         Row(
             "parallel loading / compute only, 2 workers",
             median[(2, "parallel")] / median[(2, "compute")],

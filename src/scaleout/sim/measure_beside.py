@@ -5,29 +5,21 @@ A Downpour replica computes while the other replicas' pulls and pushes, and the 
 serving them, run on the same machine: Ray's threads in several processes copy megabytes
 in and out of its object store and evict the step's weights from the caches they share.
 The step then needs more CPU, not only less of the cores (the simulator shares those out
-itself). Measured on this box for the demo's MLP beside calls of its 0.93M-value shards:
-+3 to +10% CPU a step across calibrations (wall +8 to +19% in one, the rest being the
-cores the calls take); a real 2x2 run's steps took +3.6% against its warm start's, where
-one replica computed with no other calls in flight.
+itself; figures for the demo's MLP: `results/measurements.md`).
 
-Beside the calls the step also waits longer than sharing the cores explains: in one
-measurement its thread waited 0.30 s per second of its CPU while 0.36 of the box's 2 cores
-stood idle (processor sharing gives it about 0.15). Each call's threads wake up on some
-core, and the scheduler often hands them the computing thread's. The simulator charges
+Beside the calls the step also waits longer than sharing the cores explains, while cores
+stand idle: each call's threads wake up on some core, and the scheduler often hands them
+the computing thread's. The simulator charges
 that wait per call (`engine.Shared.call_wait`); `call_wait_s` finds the wait per call with
-which the engine, running this measurement's schedule, gives the measured step: 0.07-0.27 ms
-here for the demo's 3.7 MB slices with the caller at one thread, as a replica runs (0.4-0.7
-ms with torch's two threads in the caller, whose copies then take the other core too).
+which the engine, running this measurement's schedule, gives the measured step (more with
+torch's threads in the caller, whose copies then take another core too).
 
 With every core computing the loss per call is larger: each hop of a call then takes a
 computing thread's core, none is idle. Measured with a second process computing beside the
-step on this 2-core box (the other replica of a 2 x 2 run), the step took 1.58-1.60x as
-long beside the calls as without them, where the engine, sharing the cores and charging the
-wait found with a core idle (0.16 ms), gives 1.43x; `call_wait_busy_s` finds the wait per
-call that gives the measured step there (about 1 ms). The engine charges a call the one or
-the other by how many units the computing jobs ask for (`Shared.call_wait_now`). A real
-2 x 2 run's replicas computed 1.15-1.24x as long a push window in the steady part as in
-the warm start (one replica): the engine gave 1.10x with the idle-core wait alone.
+step (the other replica of a 2 x 2 run), the step takes longer beside the calls than the
+engine gives when it charges the wait found with a core idle; `call_wait_busy_s` finds the
+wait per call that gives the measured step there. The engine charges a call the one or
+the other by how many units the computing jobs ask for (`Shared.call_wait_now`).
 
 `measure_beside_calls` steps the model in a spawned process (one thread, thread CPU and
 wall time per step) in rounds, alternately with this process idle and with it making

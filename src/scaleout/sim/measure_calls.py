@@ -81,11 +81,9 @@ def measure_calls(
 
     The calls take turns over `rounds` rounds of `min_s / rounds` each, and each cost is
     the median over the rounds of the round's mean. Means within a round, not medians: a
-    pull of 3.7 MB took 2.5 ms at the median and 3.2 ms on average here (one in ten took
-    more than 5 ms), and a run pays every call. Medians over rounds, and rounds rather than
-    one run per call: on this box one second in a few is disturbed (a pull of 3.7 MB
-    measured 7.6 ms in one run, 3.2-3.6 ms in the runs around it), and such a run set the
-    size's price outright."""
+    call's times have a long tail, and a run pays every call. Medians over rounds, and
+    rounds rather than one run per call: a shared machine disturbs one second in a few,
+    and such a run would set the size's price outright."""
     for call in calls:
         with call.around():
             for _ in range(warmup):

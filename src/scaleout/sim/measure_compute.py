@@ -109,7 +109,7 @@ def fixed_fraction(stepper: _Stepper, steps: int, rounds: int = 7, phase: int = 
     """The share of a 1-thread step (of `phase`) that does not shrink with the batch: steps
     on the whole minibatch and on half of it, alternately (`t(B) = a + c B`;
     `a = 2 t(B/2) - t(B)`), the median of the rounds' shares (each round's pair is timed
-    close together: this box's speed drifts by 10-30% within a minute, which a median of
+    close together: a shared machine's speed drifts within a minute, which a median of
     all whole and of all half steps would fold into `a`)."""
     shares = []
     for _ in range(rounds):
@@ -149,7 +149,7 @@ def measure_concurrent(
     """Seconds per example of one 1-thread process's step alone and while `processes` step
     at once (memory bandwidth and caches are shared: the machine's real ceiling). Both in
     the same processes, alternately: a process's memory layout alone moves its step by
-    several percent on this box, which is not the slow-down sought."""
+    several percent, which is not the slow-down sought."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -255,8 +255,8 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
         torch.set_num_threads(1)
         probe = timed(stepper.step, repeats=3, warmup=1)
         steps = min(max(steps, 2 * math.ceil(SAMPLE_S / probe)), MAX_STEPS)
-        # rounds over the thread counts: this box's step drifts by 10-20% within seconds,
-        # so every count is sampled across the same span
+        # rounds over the thread counts: the machine's step drifts within seconds, so
+        # every count is sampled across the same span
         samples: dict[int, list[float]] = {t: [] for t in range(1, cores + 1)}
         for _ in range(THREAD_ROUNDS):
             for threads in samples:

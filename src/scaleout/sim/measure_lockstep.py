@@ -5,9 +5,8 @@ In a run the workers compute between collectives (a layer between two model-para
 exchanges, a backward pass before DDP's all-reduce), and then a collective costs more: a
 rank that finished its compute first waits for the other (two processes on two cores do
 not run at one pace), and gloo's threads, asleep while the ranks computed, wake up first.
-Measured on this box (two 1-thread processes, 4 KB, back to back ~0.9-1.5 ms): about +0.3
-to +0.5 ms after 1 ms of compute, +0.6 to +1.5 ms after 4 ms, +1.5 to +2.5 ms after 16 ms;
-the figures move with the box's load from one measurement to the next.
+The extra grows with the compute before the call, and moves with the machine's load from
+one measurement to the next (figures: `results/measurements.md`).
 
 `measure_lockstep` has two gloo ranks compute for a gap (matrix products and passes over
 memory on one thread, `Filler`), then call the collective, over and over: gloo's

@@ -23,13 +23,13 @@ that stack in one process, the frozen stacks below included: pooling and normali
 cost more per FLOP than the filters' GEMMs), else the file's `flops_per_s` per thread (a
 hardware file: one GPU per worker). Pieces between workers of one machine are priced as
 the calibration's two-process exchange (`Calibration.exchange`: the library's exchange
-over gloo, measured on this box; a copy between GPUs of a server in a hardware file), each
-worker paying it for the bytes it sends its machine's workers (a calibration without it:
+over gloo, measured by the calibration; a copy between GPUs of a server in a hardware
+file), each worker paying it for the bytes it sends its machine's workers (a calibration without it:
 as ring steps of its all-reduce, `sync.ring_send`); pieces between machines cross the
 sender's and the receiver's links. An exchange that follows a layer's compute costs
 `Calibration.lockstep["exchange"]` more (a worker that finished first waits for the
-other, gloo's threads wake up; measured on this box after that much compute), and the
-sums' all-reduce `lockstep["allreduce"]` (`CollectiveClock`).
+other, gloo's threads wake up; measured by the calibration after that much compute), and
+the sums' all-reduce `lockstep["allreduce"]` (`CollectiveClock`).
 
 Placement: the P workers of the grid over N machines, consecutive ranks together (worker
 r on machine r * N // P: COTS HPC's four GPUs per server); `--machines 1` is the run as
@@ -40,8 +40,8 @@ Every stack's step is simulated once (steps are alike in lockstep) and the run i
 chunks (`driver_chunks`; each stack's end evaluates and checkpoints). An evaluation of
 stack k is the forward pass of its step over the test set in `train.eval_batch_size`
 batches, at the rate of this model's measured evaluation of stack k in one process
-(`ModelCost.phase_eval_s`: 5-7% of a short run on this box); a checkpoint writes the
-replica and its optimizer's state at `Calibration.checkpoint_bytes_per_s`.
+(`ModelCost.phase_eval_s`); a checkpoint writes the replica and its optimizer's state at
+`Calibration.checkpoint_bytes_per_s`.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class Request:
     sweep: list[str] = field(default_factory=list)  # "key=v1,v2"
     overrides: list[str] = field(default_factory=list)  # "key=value", as `scaleout train`
     steps: int | None = None
-    one_box: bool = False  # the machines are testnet hosts of this box, sharing its cores
+    one_box: bool = False  # the machines are testnet hosts of one machine, sharing its cores
 
 
 def parse_machines(text: str) -> list[int]:

@@ -173,8 +173,8 @@ def ring_send(
 class CollectiveClock:
     """When lock-step workers' last collective ended. The next one, after `gap` seconds of
     compute, costs `Calibration.lockstep[kind].extra(gap, bytes)` more than back to back (the
-    faster rank waits for the slower, gloo's threads wake up): measured on this box per
-    kind of collective; a calibration without it (a hardware file) adds nothing."""
+    faster rank waits for the slower, gloo's threads wake up): measured by the calibration
+    per kind of collective; a calibration without it (a hardware file) adds nothing."""
 
     def __init__(self, cluster: Cluster, calibration: Calibration, workers: int) -> None:
         self.env, self.cal, self.workers = cluster.env, calibration, workers
