@@ -42,7 +42,7 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
         ) from None
     except Exception as err:  # noqa: BLE001 - any error while importing the user's module
         raise ConfigError(
-            f"{key} = {spec!r}: importing {module_name} raised {_one_line(err)}"
+            f"{key} = {spec!r}: importing {module_name} raised {one_line(err)}"
         ) from None
     target: Any = module
     for part in attribute.split("."):
@@ -68,13 +68,14 @@ def call_factory(
     except TypeError as err:
         if kwargs and "argument" in str(err):
             raise FactoryError(
-                f"{what} factory {name} does not take its kwargs {sorted(kwargs)}: {_one_line(err)}"
+                f"{what} factory {name} does not take its kwargs {sorted(kwargs)}: {one_line(err)}"
             ) from None
-        raise FactoryError(f"{what} factory {name} raised {_one_line(err)}") from None
+        raise FactoryError(f"{what} factory {name} raised {one_line(err)}") from None
     except Exception as err:  # noqa: BLE001 - the user's code: report it, never a traceback
-        raise FactoryError(f"{what} factory {name} raised {_one_line(err)}") from None
+        raise FactoryError(f"{what} factory {name} raised {one_line(err)}") from None
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
+    """`Type: first line of its message` (the type alone for an empty message)."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__

@@ -9,7 +9,7 @@ a factory's is checked to be before it runs on shards (`check_elementwise`).
 "package.module:function" in TOML, or the function itself from `scaleout.fit(optimizer=)`,
 called as `fn(params) -> torch.optim.Optimizer`; its own rate is the base the schedule
 scales. The learning rate of each step is the caller's, from the global step
-(`scaleout.nn.schedule`); the optimizer holds each group's base rate as `initial_lr`.
+(`scaleout.nn.schedule`), which keeps each group's base rate as `initial_lr`.
 
 Warm-up: `warmup_steps = None` (the default) is 200 steps for Adagrad and 0 for the others.
 Adagrad needs it: its accumulator starts at 0, so its first step moves every weight by about
@@ -26,8 +26,8 @@ from typing import Any, Literal, Protocol
 import torch
 
 from scaleout.errors import ConfigError
-from scaleout.factories import load_callable
-from scaleout.nn.schedule import Schedule, remember_base_lr
+from scaleout.factories import load_callable, one_line
+from scaleout.nn.schedule import Schedule
 
 OptimizerName = Literal["sgd", "momentum", "adagrad", "rmsprop", "adam", "adamw"]
 OPTIMIZER_NAMES: tuple[str, ...] = OptimizerName.__args__  # type: ignore[attr-defined]
@@ -115,11 +115,11 @@ def build_optimizer(
     params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], options: OptimizerOptions
 ) -> torch.optim.Optimizer:
     """The optimizer `options.optimizer` names (or its factory builds) over parameters or
-    parameter groups, each group's rate kept as its base (`initial_lr`)."""
+    parameter groups."""
     params = [_listed(p) for p in params]  # looked at by `_fused`, then given to torch
     if is_factory(options.optimizer):
-        return remember_base_lr(_from_factory(params, options.optimizer))
-    return remember_base_lr(_torch_optimizer(params, options))
+        return _from_factory(params, options.optimizer)
+    return _torch_optimizer(params, options)
 
 
 def _from_factory(params: list[Any], optimizer: str | OptimizerFactory) -> torch.optim.Optimizer:
@@ -128,10 +128,7 @@ def _from_factory(params: list[Any], optimizer: str | OptimizerFactory) -> torch
     try:
         built = factory(params)
     except Exception as err:  # noqa: BLE001 - the user's code: one line, never a traceback
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise ConfigError(
-            f"train.optimizer = {name!r} raised {type(err).__name__}: {first}"
-        ) from None
+        raise ConfigError(f"train.optimizer = {name!r} raised {one_line(err)}") from None
     if not isinstance(built, torch.optim.Optimizer):
         raise ConfigError(
             f"train.optimizer = {name!r} returned a {type(built).__name__}, not a "
@@ -233,12 +230,7 @@ def check_elementwise(options: OptimizerOptions) -> None:
                 optimizer.step()
     except Exception as err:  # noqa: BLE001 - e.g. an optimizer that needs 2-D tensors
         cause = err.__cause__ or err
-        raise ConfigError(f"{why} (on a 1-D slice: {_first_line(cause)}): {fix}") from None
+        raise ConfigError(f"{why} (on a 1-D slice: {one_line(cause)}): {fix}") from None
     stepped = torch.cat([pieces[0].detach(), pieces[1].detach()])
     if not torch.allclose(whole.detach().reshape(-1), stepped, rtol=1e-5, atol=1e-6):
         raise ConfigError(f"{why} (a (6, 10) tensor and its two slices moved differently): {fix}")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__

@@ -84,22 +84,11 @@ class Schedule:
             return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * p))
         return m + (1.0 - m) * (1.0 - p)
 
-    @property
-    def trivial(self) -> bool:
-        """Every step at the base rate."""
-        return self.kind == "constant" and self.warmup_steps == 0
-
-
-def remember_base_lr(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Keep each group's rate as its base (`initial_lr`, torch's own key for it), which the
-    schedule scales; a state loaded later brings its own."""
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])
-    return optimizer
-
 
 def apply_lr(optimizer: torch.optim.Optimizer, schedule: Schedule, step: int) -> float:
-    """Set every group's rate for global step `step`; return the first group's."""
+    """Set every group's rate for global step `step`; return the first group's. Each
+    group's rate when first set is kept as its base (`initial_lr`, torch's own key for it,
+    saved with the optimizer's state)."""
     factor = schedule.factor(step)
     for group in optimizer.param_groups:
         base = group.setdefault("initial_lr", group["lr"])

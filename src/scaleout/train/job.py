@@ -29,7 +29,7 @@ from scaleout.nn.optim import OptimizerFactory, OptimizerSpec
 from scaleout.parallel import can_parallelize
 from scaleout.train.config import RunSection, TrainSection
 from scaleout.train.outputs import cross_entropy, logits_of
-from scaleout.train.user_metrics import MetricsFn, check_metrics
+from scaleout.train.user_metrics import MetricsFn, MetricSource, check_metrics
 
 S = TypeVar("S", bound=Section)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -138,7 +138,7 @@ class Job:
             return load_callable(self.train.loss, "train.loss")
         return cross_entropy
 
-    def metrics_source(self) -> tuple[MetricsFn, str] | None:
+    def metrics_source(self) -> MetricSource | None:
         """The user's test metrics and the name messages give them (None: none)."""
         if self.metrics is not None:
             return self.metrics, callable_name(self.metrics)

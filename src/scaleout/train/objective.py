@@ -28,9 +28,8 @@ from scaleout.data import make_loader
 from scaleout.nn.layerwise import LayerwiseModel
 from scaleout.train.job import LossFn
 from scaleout.train.outputs import accuracy_sum, correct_counts, cross_entropy, is_class_target
-from scaleout.train.user_metrics import MetricsFn, MetricSums
+from scaleout.train.user_metrics import MetricSource, MetricSums
 
-MetricSource = tuple[MetricsFn, str]  # a user's metrics function and its name
 MAX_LOG_PERPLEXITY = 700.0  # exp(700) ~ 1e304: a diverged loss gives a huge, finite number
 
 Reduce = Callable[[Tensor], Tensor]  # sums a worker's parts over its model-parallel group
@@ -119,7 +118,7 @@ class Supervised:
         loss = self.loss(out, y)
         sums = {"loss": loss.detach() * len(y)}
         if self.classification:
-            correct = accuracy_sum(_detached(out), y)
+            correct = accuracy_sum(out, y)  # argmax and compare: outside autograd
             if correct is not None:
                 sums["correct"] = correct
         return loss, sums
@@ -171,10 +170,6 @@ class Supervised:
 
     def phase_metrics(self, model: nn.Module, phase: int) -> dict[str, Any]:
         return {}
-
-
-def _detached(output: Any) -> Any:  # noqa: ANN401
-    return output.detach() if isinstance(output, Tensor) else output
 
 
 class Layerwise:

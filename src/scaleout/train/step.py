@@ -151,14 +151,11 @@ class Stepper:
         assert loss_total is not None, "an empty batch"
         return loss_total, sums
 
-    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-
     def step(self, optimizer: torch.optim.Optimizer, global_step: int) -> Tensor | None:
         """Unscale, clip, set the learning rate of `global_step`, step; return the gradient
         norm before clipping (None when clipping is off)."""
-        self.unscale(optimizer)
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
         norm = None
         if self.train.grad_clip_norm is not None:
             norm = clip_gradients(optimizer_params(optimizer), self.train.grad_clip_norm)

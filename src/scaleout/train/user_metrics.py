@@ -18,13 +18,10 @@ import torch
 from torch import Tensor
 
 from scaleout.errors import ConfigError, UserError
+from scaleout.factories import one_line
 
 MetricsFn = Callable[[Any, Tensor], Mapping[str, Any]]
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+MetricSource = tuple[MetricsFn, str]  # a user's metrics function and its name
 
 
 def call_metrics(
@@ -41,7 +38,7 @@ def call_metrics(
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 - the user's code: one line, never a traceback
-        raise error(f"train.metrics = {name!r} raised {_one_line(err)}; fix the function") from None
+        raise error(f"train.metrics = {name!r} raised {one_line(err)}; fix the function") from None
     if not isinstance(result, Mapping):
         raise error(
             f"train.metrics = {name!r} returned a {type(result).__name__}: return a dict of "
