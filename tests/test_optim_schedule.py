@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LinearLR, SequentialLR
+from whole_tensor_optim import lamb
 
 from scaleout.errors import ConfigError
 from scaleout.nn.optim import (
@@ -237,20 +238,6 @@ def test_a_group_of_a_generator_keeps_its_parameters():
 # --- factories --------------------------------------------------------------------------------
 
 
-class Lamb(torch.optim.Optimizer):
-    """A layer-wise trust ratio (LAMB's): each tensor's step scaled by its own norm."""
-
-    def __init__(self, params, lr=0.01):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                ratio = p.norm() / p.grad.norm().clamp(min=1e-12)
-                p.add_(p.grad, alpha=-group["lr"] * float(ratio))
-
-
 def test_a_factory_builds_the_optimizer_and_its_rate_is_the_base():
     made = []
 
@@ -284,7 +271,7 @@ def test_element_wise_optimizers_pass_and_whole_tensor_ones_are_named():
         check_elementwise(OptimizerSpec(factory))
     check_elementwise(OptimizerSpec("adamw"))  # by name: element-wise by construction
     with pytest.raises(ConfigError, match="does not step element by element.*moved differently"):
-        check_elementwise(OptimizerSpec(lambda p: Lamb(p)))
+        check_elementwise(OptimizerSpec(lamb))
     with pytest.raises(ConfigError, match="does not step element by element.*on a 1-D slice"):
         check_elementwise(OptimizerSpec(lambda p: torch.optim.Muon(p, lr=0.01)))
 
