@@ -90,8 +90,8 @@ def test_sharded_optimizer_equals_torch_optim_on_whole_vector(num_shards, optimi
         if schedule is not None:
             schedule.step()
         for shard, start, stop in shards:
-            version, staleness = shard.push(wire.encode(grad[start:stop]), base_version=step)
-            assert (version, staleness) == (step + 1, 0)
+            applied = shard.push(wire.encode(grad[start:stop]), base_version=step)
+            assert applied == (step + 1, 0, 1.0)
     sharded = torch.cat([torch.as_tensor(shard.values()) for shard, _, _ in shards])
     torch.testing.assert_close(sharded, whole.detach(), rtol=1e-6, atol=1e-7)
 
@@ -102,7 +102,7 @@ def test_staleness_counts_updates_since_fetch():
     _, fetched = shard.pull()
     for _ in range(3):
         shard.push(wire.encode(torch.ones(4)), base_version=fetched)
-    assert shard.push(wire.encode(torch.ones(4)), base_version=fetched) == (4, 3)
+    assert shard.push(wire.encode(torch.ones(4)), base_version=fetched) == (4, 3, 1.0)
 
 
 def test_shard_checkpoint_restores_and_continues_identically(tmp_path):
@@ -146,7 +146,7 @@ def test_server_on_ray_pull_push_and_shard_restart(ray_session, tmp_path):
         versions, received = server.pull_into(out)
         assert torch.equal(out, initial) and versions == [0, 0, 0] and received == 40
         pushes, sent = server.push(torch.ones(10), versions)
-        assert server.settle(pushes) == [(1, 0)] * 3 and sent == 40
+        assert server.settle(pushes) == [(1, 0, 1.0)] * 3 and sent == 40
         torch.testing.assert_close(server.values(), initial - 1)
         # SIGKILL one shard: Ray restarts it and it resumes from its checkpoint.
         pid = server.info()[1]["pid"]

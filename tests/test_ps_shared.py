@@ -155,7 +155,7 @@ def test_pulls_and_pushes_through_shared_memory_equal_those_through_ray(ray_sess
                 assert sent == 4004
                 local_path = all(isinstance(p.payload, shared.SharedSlice) for p in pushes)
                 assert local_path == (server is local)
-                assert server.settle(pushes) == [(k + 1, 0)] * 3
+                assert server.settle(pushes) == [(k + 1, 0, 1.0)] * 3
         assert torch.equal(local.values(), remote.values())
         assert [i["bytes_in"] for i in local.info()] == [i["bytes_in"] for i in remote.info()]
     finally:
@@ -251,7 +251,7 @@ def test_a_push_from_the_gradient_buffer_names_it_and_equals_one_through_ray(ray
             assert pieces == [(start, stop - start) for start, stop in local.ranges]
             assert local.gradient_buffer() is None  # named by the pushes in flight
             remote_pushes, _ = remote.push(grad, [k] * 3)
-            assert local.settle(pushes) == remote.settle(remote_pushes) == [(k + 1, 0)] * 3
+            assert local.settle(pushes) == remote.settle(remote_pushes) == [(k + 1, 0, 1.0)] * 3
             for other in others:  # pushed from with nothing to send (a compressed push would)
                 local._gradients.release(local._gradients.index_of(other))
         assert torch.equal(local.values(), remote.values())

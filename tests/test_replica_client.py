@@ -20,8 +20,7 @@ def test_threads_pay_where_compute_hides_communication():
 
 
 def test_auto_is_off_for_grids_and_where_compute_takes_every_core():
-    auto = DownpourSection(num_replicas=2)
-    assert auto.threads == "auto"
+    auto = DownpourSection(num_replicas=2, threads="auto")
     one_node = {"cpus": 8.0, "nodes": 1}
     assert auto.replica_threads(1, num_threads=1, **one_node) == "auto"  # 2 x (1 + 1) <= 8
     assert auto.replica_threads(1, num_threads=4, **one_node) is False  # 2 x (4 + 1) > 8

@@ -5,7 +5,7 @@ optimizer, lr, momentum, weight_decay, betas, eps), so S shards stepping their s
 one optimizer stepping the whole vector: every optimizer by name here is element-wise, and
 a factory's is checked to be before it runs on shards (`check_elementwise`).
 
-`train.optimizer` is a name (sgd, momentum, adagrad, rmsprop, adam, adamw), or a factory:
+`train.optimizer` is a name (sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw), or a factory:
 "package.module:function" in TOML, or the function itself from `scaleout.fit(optimizer=)`,
 called as `fn(params) -> torch.optim.Optimizer`; its own rate is the base the schedule
 scales. The learning rate of each step is the caller's, from the global step
@@ -29,7 +29,7 @@ from scaleout.errors import ConfigError
 from scaleout.factories import load_callable, one_line
 from scaleout.nn.schedule import Schedule
 
-OptimizerName = Literal["sgd", "momentum", "adagrad", "rmsprop", "adam", "adamw"]
+OptimizerName = Literal["sgd", "momentum", "nesterov", "adagrad", "rmsprop", "adam", "adamw"]
 OPTIMIZER_NAMES: tuple[str, ...] = OptimizerName.__args__  # type: ignore[attr-defined]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
@@ -37,6 +37,7 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 STATE_BUFFERS: dict[str, int] = {
     "sgd": 0,
     "momentum": 1,
+    "nesterov": 1,
     "adagrad": 1,
     "rmsprop": 1,
     "adam": 2,
@@ -150,6 +151,10 @@ def _torch_optimizer(params: list[Any], options: OptimizerOptions) -> torch.opti
             return torch.optim.SGD(params, lr=lr, weight_decay=decay)
         case "momentum":
             return torch.optim.SGD(params, lr=lr, momentum=options.momentum, weight_decay=decay)
+        case "nesterov":
+            return torch.optim.SGD(
+                params, lr=lr, momentum=options.momentum, weight_decay=decay, nesterov=True
+            )
         case "adagrad":
             return torch.optim.Adagrad(
                 params, lr=lr, weight_decay=decay, fused=_fused(params), **given

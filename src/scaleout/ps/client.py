@@ -27,6 +27,18 @@ parameters' gradients; a replica clips the gradient it pushes), and what it retu
 into the push's record; `after_push` after it. Each push carries the steps it holds, so
 the shards know the global step their learning-rate schedule reads.
 
+With `bounded=True` the shards bound staleness (`downpour.max_staleness`): before the fetch
+that starts each push window the client opens a window at each server and waits while the
+bound holds it back, and after each push it waits until the shards applied it, then closes
+the window (`scaleout.ps.staleness.Windows`). The seconds waited go into the push's record
+(`wait_s`).
+
+With `mode="diloco"` (Douillard et al. 2023) the replica steps an optimizer of its own
+after each backward (`after_step` instead of `after_backward`), and every `n_push` steps
+pushes the pseudo-gradient, (fetched parameters - local parameters) * `outer_scale`, on
+which the shards step their outer optimizer; it then fetches the result (`n_fetch` must
+equal `n_push`).
+
 With `threads=True` fetch, compute and push run in three weakly synchronised threads, as in
 the paper's appendix: the compute thread adopts whatever parameters the fetch thread last
 brought and hands its accumulated gradients to the push thread through a short queue, so
@@ -82,11 +94,15 @@ def auto_threads(windows: Sequence[tuple[float, float]]) -> bool | None:
     return threads_pay(compute, communication)
 
 
+Mode = Literal["gradients", "diloco"]
+
+
 @dataclass
 class Lane:
     flat: FlatParameters
     server: ParameterServer
     versions: list[int]
+    anchor: torch.Tensor | None = None  # DiLoCo: the parameters last fetched (P,)
 
 
 class ReplicaClient:
@@ -99,9 +115,23 @@ class ReplicaClient:
         after_pull: Hook | None = None,
         before_push: PushHook | None = None,
         after_push: Hook | None = None,
+        bounded: bool = False,
+        owner: str = "",
+        mode: Mode = "gradients",
+        outer_scale: float = 1.0,
     ) -> None:
         if n_fetch < 1 or n_push < 1:
             raise ValueError(f"n_fetch and n_push must be >= 1, got {n_fetch} and {n_push}")
+        if mode == "diloco" and (n_fetch != n_push or threads is True):
+            raise ValueError(
+                f"mode 'diloco' fetches after each push: n_fetch ({n_fetch}) must equal n_push "
+                f"({n_push}), without threads"
+            )
+        if bounded and (n_fetch > n_push or threads is True):
+            raise ValueError(
+                f"bounded staleness opens a window at each fetch: n_fetch ({n_fetch}) must be "
+                f"at most n_push ({n_push}), without threads"
+            )
         self.lanes: list[Lane] = []
         for params, server in lanes:
             flat = FlatParameters(params)
@@ -112,13 +142,22 @@ class ReplicaClient:
                 )
             self.lanes.append(Lane(flat, server, [0] * len(server.shards)))
         self.n_fetch, self.n_push = n_fetch, n_push
+        self.bounded, self.owner = bounded, owner
+        self.mode, self.outer_scale = mode, outer_scale
+        if mode == "diloco":
+            threads = False
+            for lane in self.lanes:
+                lane.anchor = lane.flat.params.detach().clone()
+        if bounded:
+            threads = False
+        self._window = False  # bounded: this client's window is open (fetched, not pushed)
         self.after_pull, self.before_push, self.after_push = after_pull, before_push, after_push
         self.steps = 0
         self._steps_pushed = 0  # `steps` at the last push
         self.stats = {"pushes": 0, "pulls": 0, "bytes_sent": 0, "bytes_received": 0}
         self.staleness: list[float] = []
         self._received = 0  # bytes pulled since the last push record
-        self._seconds = {"fetch": 0.0, "push": 0.0}
+        self._seconds = {"fetch": 0.0, "push": 0.0, "wait": 0.0}
         self._pending: list[tuple[list[tuple[ParameterServer, list[Push]]], dict[str, Any]]] = []
         self._lost_reported = 0
         self._records: list[dict[str, Any]] = []
@@ -131,10 +170,16 @@ class ReplicaClient:
 
     def before_step(self) -> None:
         """Fetch the shards' parameters when one is due (every `n_fetch` steps)."""
+        opening = self.bounded and not self._window
+        if opening:
+            waiting = time.perf_counter()
+            self._open_windows()
+            self._window = True
+            self._seconds["wait"] += time.perf_counter() - waiting
         started = time.perf_counter()
         if self._pipeline is not None:
             self._pipeline.adopt_fresh_parameters()
-        elif self.steps % self.n_fetch == 0:
+        elif opening or self.steps % self.n_fetch == 0:
             self.fetch()
         self._seconds["fetch"] += time.perf_counter() - started
 
@@ -142,8 +187,44 @@ class ReplicaClient:
         """Count the step; push the accumulated gradient when one is due (every `n_push`
         steps). `info` (e.g. the loss since the last push) goes into the push's record."""
         self.steps += 1
-        if self.steps % self.n_push == 0:
+        if self.steps - self._steps_pushed >= self.n_push:
             self.push(**info)
+
+    @property
+    def push_due(self) -> bool:
+        """Whether the next step's `after_backward` (or `after_step`) pushes."""
+        return self.steps + 1 - self._steps_pushed >= self.n_push
+
+    def release(self, **info: Any) -> None:  # noqa: ANN401
+        """With bounded staleness: push what this window holds now, so that a replica about
+        to idle (its chunk of steps ended) holds no other replica back at the bound."""
+        if self.bounded and self._window and self.steps > self._steps_pushed:
+            self.push(**info)
+
+    def after_step(self, **info: Any) -> None:  # noqa: ANN401
+        """DiLoCo: after the replica's own optimizer stepped on this step's gradient: zero
+        it, count the step, and push the pseudo-gradient when one is due."""
+        assert self.mode == "diloco", "after_step is DiLoCo's; use after_backward"
+        for lane in self.lanes:
+            lane.flat.zero_grads()
+        self.after_backward(**info)
+
+    def _open_windows(self) -> None:
+        """Wait until every server opens this client's window (one that refuses closes the
+        others opened meanwhile, so no client holds a window while it waits)."""
+        pause = 0.001
+        while True:
+            opened = []
+            for lane in self.lanes:
+                if not lane.server.open_window(self.owner):
+                    break
+                opened.append(lane)
+            else:
+                return
+            for lane in opened:
+                lane.server.close_window()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     # --- communication -------------------------------------------------------------------
 
@@ -155,6 +236,8 @@ class ReplicaClient:
             versions, received = lane.server.pull_into(lane.flat.params)
             if update_versions:
                 lane.versions = versions
+                if lane.anchor is not None:
+                    lane.anchor.copy_(lane.flat.params)
                 self._received += received
                 self.stats["bytes_received"] += received
         if update_versions:
@@ -165,6 +248,12 @@ class ReplicaClient:
     def push(self, **info: Any) -> None:  # noqa: ANN401
         """Send the accumulated gradient now (without waiting for it to be applied)."""
         started = time.perf_counter()
+        if self.mode == "diloco":  # the pseudo-gradient, where the gradient would be
+            for lane in self.lanes:
+                assert lane.anchor is not None
+                torch.sub(lane.anchor, lane.flat.params, out=lane.flat.grads)
+                if self.outer_scale != 1.0:
+                    lane.flat.grads.mul_(self.outer_scale)
         extra = self.before_push() if self.before_push is not None else None
         steps, self._steps_pushed = self.steps - self._steps_pushed, self.steps
         record = {"t": time.time(), "threads": self.threads, "steps": steps, **info}
@@ -184,6 +273,11 @@ class ReplicaClient:
                 record,
             )
             self._zero(swap=True)  # the shards may still read the buffer just pushed
+            if self.bounded:  # applied on every shard: the window closes
+                self._collect(wait=True)
+                for lane in self.lanes:
+                    lane.server.close_window()
+                self._window = False
         self._seconds["push"] += time.perf_counter() - started
         if self._probe is not None:
             self._measure_window(started, record)
@@ -262,13 +356,14 @@ class ReplicaClient:
             if not wait and not all(_ready(f) for f in futures):
                 still.append((pushes, record))
                 continue
-            staleness = [
-                stale for server, lane_pushes in pushes for _, stale in server.settle(lane_pushes)
-            ]
+            applied = [a for server, lane_pushes in pushes for a in server.settle(lane_pushes)]
+            staleness = [stale for _, stale, _ in applied]
+            scales = [scale for _, _, scale in applied]
             lost = sum(lane.server.updates_lost for lane in self.lanes)
             record.update(
                 staleness=sum(staleness) / len(staleness) if staleness else None,
                 staleness_max=max(staleness) if staleness else None,
+                rule_scale=sum(scales) / len(scales) if scales else None,
                 updates_lost=lost - self._lost_reported,
             )
             self._lost_reported = lost
@@ -279,8 +374,10 @@ class ReplicaClient:
 
     def take_records(self) -> list[dict[str, Any]]:
         """The records of the pushes applied since the last call (`t`: wall time of the push,
-        `bytes_sent`, `bytes_received`, `fetch_s` and `push_s` spent since the previous one,
-        `staleness` (mean over shards), `staleness_max`, `updates_lost`, `threads` (whether
+        `bytes_sent`, `bytes_received`, `fetch_s`, `push_s` and `wait_s` (at the staleness
+        bound) spent since the previous one, `staleness` (mean over shards),
+        `staleness_max`, `rule_scale` (the mean factor the shards' staleness rule put on
+        the step: 1 untouched), `updates_lost`, `threads` (whether
         the push went through the push thread; None while "auto" measures), and the `info`)."""
         with self._lock:
             records, self._records = self._records, []
@@ -293,7 +390,7 @@ class ReplicaClient:
         if self._pipeline is not None:
             self._pipeline.stop()
             self._pipeline = None
-        if self.steps % self.n_push:
+        if self.steps > self._steps_pushed:
             self.push(**info)
         self._collect(wait=True)
         if pull:

@@ -35,6 +35,7 @@ from scaleout.ps.backup import BackupKeeper, BackupPolicy, shard_nodes
 from scaleout.ps.layout import shard_ranges
 from scaleout.ps.nearby import RETRY_SECONDS, NearbyShards
 from scaleout.ps.shard import ParameterShard, ShardLost
+from scaleout.ps.staleness import StalenessPolicy
 from scaleout.ps.wire import Wire
 from scaleout.runtime import kill, reraise_user_error, spawn
 
@@ -106,6 +107,7 @@ class ParameterServer(NearbyShards):
         backups: int = 0,
         shared_memory: bool = True,
         start_step: int = 0,
+        staleness: StalenessPolicy | None = None,
     ) -> ParameterServer:
         """Start `num_shards` shard actors holding `initial` (P,), or their checkpoints in
         `checkpoint_root/shard_<i>` when they have some; each applies pushed gradients with
@@ -116,7 +118,9 @@ class ParameterServer(NearbyShards):
         `backups` = 1 every shard keeps a backup that applies every update too (placed on
         another node when there is one); a primary that dies is replaced by its backup, not
         restarted by Ray. `shared_memory`: clients on a shard's node pull and push through
-        shared memory (False: through Ray's object store, as across nodes).
+        shared memory (False: through Ray's object store, as across nodes). `staleness`:
+        what the shards do with stale pushes, and the bound on staleness
+        (`scaleout.ps.staleness`; None: pushes are applied as they come).
         """
         if backups not in (0, 1):
             raise ValueError(f"backups = {backups}: a shard keeps 0 or 1 backup")
@@ -142,6 +146,7 @@ class ParameterServer(NearbyShards):
                 checkpoint_every,
                 checkpoint_seconds,
                 policy,
+                staleness,
                 num_cpus=0,
                 max_restarts=0 if backups else max_restarts,
                 resource=resource,
@@ -259,8 +264,9 @@ class ParameterServer(NearbyShards):
             push.payload, push.base_version, self.client, push.seq, push.steps
         )
 
-    def settle(self, pushes: list[Push]) -> list[tuple[int, int]]:
-        """Wait until every push is applied: (version, staleness) per shard. Pushes to a
+    def settle(self, pushes: list[Push]) -> list[tuple[int, int, float]]:
+        """Wait until every push is applied: (version, staleness, the factor the staleness
+        rule put on its step) per shard. Pushes to a
         shard that died are sent again to its successor (its backup, or the shard Ray
         restarted) in their order, before any other call of this client reaches it; the
         sequence numbers keep one the successor had applied from being applied twice."""
@@ -269,15 +275,31 @@ class ParameterServer(NearbyShards):
             deadline = time.monotonic() + RETRY_SECONDS
             while True:
                 try:
-                    version, staleness = ray.get(push.future)
+                    applied = ray.get(push.future)
                     break
                 except RayActorError:
                     self._recover(push.slot, push.shard, deadline)  # sends it again
             with self._lock:
                 self.acked[push.slot] = max(self.acked[push.slot], push.seq)
                 self._unacked[push.slot].remove(push)
-            results.append((version, staleness))
+            results.append(applied)
         return results
+
+    # --- bounded staleness (`staleness.max_staleness`) -------------------------------------
+
+    def open_window(self, owner: str = "") -> bool:
+        """Open this client's window before a fetch (shard 0 keeps them); False: the bound
+        holds it back, ask again."""
+        opened = self._each(lambda i: self.shards[i].open_window.remote(self.client, owner), [0])
+        return bool(opened[0])
+
+    def close_window(self) -> None:
+        """This client's push is applied on every shard: its window closes."""
+        self._each(lambda i: self.shards[i].close_window.remote(self.client), [0])
+
+    def drop_windows(self, owner: str) -> None:
+        """Close the windows of replica `owner`'s clients (it failed)."""
+        self._each(lambda i: self.shards[i].drop_windows.remote(owner), [0])
 
     def values(self) -> torch.Tensor:
         """The whole parameter vector, uncompressed (P,)."""

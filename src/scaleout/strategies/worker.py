@@ -104,9 +104,7 @@ class Worker(WorkerState, OnShards):
         shipped, self.finish_batch = job.loader.with_uint8(train_set, self.device)
         if shipped is not train_set:
             self.train_set = data_part(shipped, role.replica, role.num_replicas)
-        self.objective = objective_for(
-            model, job.loss_fn(), self.test_set, job.metrics_source()
-        )
+        self.objective = objective_for(model, job.loss_fn(), self.test_set, job.metrics_source())
         schedule = role.schedule or Schedule()
         self.stepper = Stepper(job.train, job.run.precision, self.device, schedule)
         self.layerwise = isinstance(self.objective, Layerwise)
@@ -228,16 +226,15 @@ class Worker(WorkerState, OnShards):
                 self.client.before_step()  # a fetch when one is due: not compute
             computing = time.perf_counter()
             if self.optimizer is not None and self.client is None:
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=True)  # (a client zeroes its own)
             loss, step_sums = self.stepper.forward_backward(
                 self.objective, self.model, self.network, batch, self.phase
             )
-            if self.client is None:
-                assert self.optimizer is not None
+            if self.optimizer is not None:  # a worker's own step (DiLoCo: the inner one)
                 if self.partitioned:
                     parts.sync_grads(self.model)
                 grad_norm = self.stepper.step(self.optimizer, self._schedule_step())
-            else:
+            if self.client is not None:
                 self._after_backward(loss, time.perf_counter() - computing)
             self.step += 1
             steps += 1
@@ -275,9 +272,11 @@ class Worker(WorkerState, OnShards):
 
     def _schedule_step(self) -> int:
         """The step the learning rate is a function of: the run's global step, or the
-        phase's own for layer-wise training (each phase is a fresh optimization)."""
+        phase's own for layer-wise training (each phase is a fresh optimization). A
+        DiLoCo replica takes every num_replicas-th global step: its own step times that."""
         phase_steps = self.role.phase_steps
-        return self.step - self.phase * phase_steps if phase_steps else self.step
+        step = self.step - self.phase * phase_steps if phase_steps else self.step
+        return step * self.role.num_replicas if self.client is not None else step
 
     def _phase_fields(self) -> dict[str, Any]:
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else self.cfg.lr

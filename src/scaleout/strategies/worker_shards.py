@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
+from scaleout.nn.optim import build_optimizer
 from scaleout.parallel import parts
 from scaleout.train.state import restored
 from scaleout.train.step import clip_gradients
@@ -112,9 +113,14 @@ class OnShards:
         n_push: int,
         threads: bool | Literal["auto"] = False,
         fresh: bool = True,
+        mode: Literal["gradients", "diloco"] = "gradients",
+        bounded: bool = False,
+        outer_scale: float = 1.0,
     ) -> None:
         """Train phase `phase` through `servers` (one per parameter group, None where
-        another worker of the grid keeps it)."""
+        another worker of the grid keeps it). `mode` "diloco": this replica steps
+        `train.optimizer` itself (a fresh one: its state is not kept over a restart) and
+        pushes pseudo-gradients (`ReplicaClient`); `bounded`: the shards bound staleness."""
         if self.phase != phase or fresh:
             if fresh:
                 self.epoch, self.batch, self._batches = 0, 0, None
@@ -153,10 +159,23 @@ class OnShards:
 
         from scaleout.ps import ReplicaClient  # imports Ray: only Downpour's workers need it
 
-        needed = self.partitioned or clip is not None
+        diloco = mode == "diloco"
+        needed = self.partitioned or (clip is not None and not diloco)  # DiLoCo clips inside
         self.client = ReplicaClient(
-            lanes, n_fetch, n_push, threads, after_pull, before_push if needed else None, after_push
+            lanes,
+            n_fetch,
+            n_push,
+            threads,
+            after_pull,
+            before_push if needed else None,
+            after_push,
+            bounded=bounded,
+            owner=f"replica{self.role.replica}",
+            mode=mode,
+            outer_scale=outer_scale,
         )
+        if diloco:  # the inner optimizer, over the parameters' flat views
+            self.optimizer = build_optimizer(self.groups, self.job.optimizer_options())
 
     def _after_backward(self, loss: Tensor, compute_s: float) -> None:
         value = loss.item()
@@ -166,11 +185,13 @@ class OnShards:
         window[0] += value
         window[1] += 1
         window[2] += compute_s
-        assert self.client is not None
-        if (self.client.steps + 1) % self.client.n_push == 0:
-            self.client.after_backward(**self._push_info())
+        client = self.client
+        assert client is not None
+        done = client.after_step if client.mode == "diloco" else client.after_backward
+        if client.push_due:
+            done(**self._push_info())
         else:
-            self.client.after_backward()
+            done()
 
     def _push_info(self) -> dict[str, Any]:
         """What a push record says of this worker: the mean loss and compute seconds of the
@@ -188,7 +209,13 @@ class OnShards:
         return info
 
     def take_records(self) -> list[dict[str, Any]]:
-        return self.client.take_records() if self.client is not None else []
+        """The push records since the last call; with bounded staleness, the window this
+        chunk left open is pushed first (the replica may idle until its next chunk)."""
+        if self.client is None:
+            return []
+        if self.client.bounded:
+            self.client.release(**self._push_info())
+        return self.client.take_records()
 
     def flush_pushes(self) -> list[dict[str, Any]]:
         """Push what is left and wait until the shards applied it; the last push records."""
@@ -205,4 +232,5 @@ class OnShards:
         stats = {**self.client.stats, "staleness": list(self.client.staleness)}
         self.client.close()
         self.client = None
+        self.optimizer = None  # DiLoCo's inner one: the next phase attaches afresh
         return stats

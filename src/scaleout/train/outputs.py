@@ -61,8 +61,10 @@ def is_class_target(target: Any) -> bool:  # noqa: ANN401
         return False
     if isinstance(target, int):
         return True
-    return isinstance(target, Tensor) and not target.is_floating_point() and (
-        target.dtype != torch.bool and not target.is_complex()
+    return (
+        isinstance(target, Tensor)
+        and not target.is_floating_point()
+        and (target.dtype != torch.bool and not target.is_complex())
     )
 
 

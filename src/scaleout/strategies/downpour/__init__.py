@@ -21,11 +21,28 @@ class DownpourSection(Section):
     n_fetch: PositiveInt = 1  # steps between parameter fetches
     n_push: PositiveInt = 1  # steps between gradient pushes
     warmstart_steps: NonNegativeInt = 0  # one replica trains alone this long first
+    # "gradients": push the gradients summed over n_push steps (DistBelief's Downpour);
+    # "diloco": each replica takes n_push steps of train.optimizer on its own copy, then
+    # pushes the pseudo-gradient (fetched - local) / num_replicas, on which the shards step
+    # the outer optimizer (Douillard et al. 2023); n_fetch must equal n_push
+    mode: Literal["gradients", "diloco"] = "gradients"
+    # The most updates of other replicas a push may find applied after its fetch: a replica
+    # waits before its fetch until its push cannot be staler (SSP-like; None: no bound)
+    max_staleness: NonNegativeInt | None = None
+    # What the shards do with a stale push: "none" (as it is), "inverse" (the step divided
+    # by the staleness), "dc" (DC-ASGD's delay compensation, `dc_lambda`), "gap" (gap-aware)
+    staleness_rule: Literal["none", "inverse", "dc", "gap"] = "none"
+    dc_lambda: PositiveFloat = 0.04
+    # DiLoCo's outer optimizer on the shards: SGD with Nesterov momentum, or plain SGD
+    outer_optimizer: Literal["nesterov", "sgd"] = "nesterov"
+    outer_lr: PositiveFloat = 0.7
+    outer_momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
     # Fetch, compute and push in three weakly synchronised threads (the paper's appendix).
-    # "auto": where a replica is one worker and has a core to spare for the threads, each
-    # replica measures its first push windows and turns them on when its compute hides its
-    # communication (`scaleout.ps.client.threads_pay`); otherwise off.
-    threads: bool | Literal["auto"] = "auto"
+    # Off by default: a replica then computes on parameters older than its own last push,
+    # which costs convergence. "auto": where a replica is one worker and has a core to
+    # spare, each replica measures its first push windows and turns them on when its
+    # compute hides its communication (`scaleout.ps.client.threads_pay`).
+    threads: bool | Literal["auto"] = False
     max_restarts: NonNegativeInt = 3  # per replica; a shard is always restarted
     timeout_s: TimeoutSeconds = 300.0  # a replica whose chunk takes longer is stuck: restarted
     # Each shard's backup applies every update too, so a shard that dies loses nothing;
@@ -50,6 +67,8 @@ class DownpourSection(Section):
         one node (the threads would slow the compute: the demo's 2 replicas on 2 cores took
         1,740 steps and 56-57 s to 97% with them, 1,340 steps and 49-52 s without). The
         driver and the simulator both ask here."""
+        if self.mode == "diloco" or self.max_staleness is not None:
+            return False  # both fetch after their own push is applied
         if self.threads != "auto":
             return self.threads
         compute = num_threads or cpus

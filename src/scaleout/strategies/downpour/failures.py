@@ -18,6 +18,7 @@ from scaleout.runtime import START_TIMEOUT_S, describe_failure
 
 if TYPE_CHECKING:
     from scaleout.strategies.downpour import DownpourSection
+    from scaleout.strategies.downpour.lanes import Lanes
     from scaleout.strategies.downpour.replicas import Replica
     from scaleout.train.protocol import Plan, Tensors
 
@@ -26,6 +27,7 @@ class ReplicaFailures:
     """A mixin of the Downpour strategy: failures, restarts, and restarted replicas joining."""
 
     opts: DownpourSection
+    lanes: Lanes
     replicas: list[Replica]
     alive: list[bool]
     restarts: list[int]
@@ -88,6 +90,7 @@ class ReplicaFailures:
             + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
         )
         replica.kill()
+        self.lanes.drop_windows(replica_id)  # with max_staleness, no one waits for it
         if restart:  # it starts while the others train; it joins when attached
             self.restarts[replica_id] += 1
             self.replicas[replica_id] = self._spawn(replica_id)

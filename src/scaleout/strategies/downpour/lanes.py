@@ -15,9 +15,12 @@ from typing import Any
 import ray
 import torch
 
+from scaleout.nn.optim import OptimizerSpec
 from scaleout.nn.schedule import Schedule
 from scaleout.progress import console
 from scaleout.ps import ParameterServer
+from scaleout.ps.outer import outer_optimizer
+from scaleout.ps.staleness import StalenessPolicy
 from scaleout.rundir import RunDir
 from scaleout.runtime.actors import check_capacity, fits
 from scaleout.strategies.downpour import DownpourSection
@@ -32,6 +35,14 @@ class Lanes:
         self.servers: list[list[ParameterServer | None]] = []  # [grid worker][group]
         self.pids: dict[tuple[int, int, int], int] = {}
         self.backups = 0  # backups per shard (downpour.shard_backups, resolved at start)
+        history = (
+            opts.max_staleness + 1
+            if opts.max_staleness is not None
+            else max(8, 4 * opts.num_replicas)
+        )
+        self.staleness = StalenessPolicy(
+            opts.staleness_rule, opts.dc_lambda, history, opts.max_staleness, opts.timeout_s
+        )
 
     def size(self, workers: int) -> None:
         """Check that R replicas of `workers` workers and S shards per worker fit the
@@ -78,7 +89,7 @@ class Lanes:
                     ParameterServer.create(
                         values,
                         min(opts.num_shards, values.numel()),
-                        self.job.optimizer_options(lr=lr, schedule=schedule),
+                        self._shard_optimizer(lr, schedule),
                         self.job.compress,
                         root,
                         opts.shard_checkpoint_every,
@@ -88,6 +99,7 @@ class Lanes:
                         backups=self.backups,
                         shared_memory=opts.shared_memory,
                         start_step=start_step,
+                        staleness=self.staleness,
                     )
                 )
             self.servers.append(lane)
@@ -96,6 +108,24 @@ class Lanes:
         for (w, g), server in self.all():
             for info in server.info():
                 self.pids[(w, g, info["shard"])] = info["pid"]
+
+    def _shard_optimizer(self, lr: float, schedule: Schedule) -> OptimizerSpec:
+        """What the shards step: `train.optimizer` at the group's rate and the run's
+        schedule, or (DiLoCo) the outer optimizer at a constant `outer_lr`."""
+        opts = self.opts
+        if opts.mode != "diloco":
+            return self.job.optimizer_options(lr=lr, schedule=schedule)
+        outer = outer_optimizer(
+            opts.outer_optimizer, opts.outer_lr, opts.outer_momentum, opts.num_replicas
+        )
+        return OptimizerSpec(optimizer=outer, lr=opts.outer_lr, warmup_steps=0, schedule=Schedule())
+
+    def drop_windows(self, replica: int) -> None:
+        """Replica `replica` failed: its open windows hold no one back (max_staleness)."""
+        if self.opts.max_staleness is None:
+            return
+        for _, server in self.all():
+            server.drop_windows(f"replica{replica}")
 
     def for_worker(self, worker: int) -> list[ParameterServer | None]:
         return self.servers[worker]

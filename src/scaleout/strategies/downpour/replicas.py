@@ -14,6 +14,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from scaleout.comm import WorkerDied
+from scaleout.nn.schedule import Schedule
 from scaleout.progress import console
 from scaleout.runtime import describe_failure
 from scaleout.strategies.downpour.lanes import Lanes
@@ -34,9 +35,15 @@ class Replica:
         num_cpus: float,
         resource: str | None,
         where: Where,
+        schedule: Schedule | None = None,
     ) -> None:
         self.id = replica_id
-        role = Role(name=f"replica {replica_id}", replica=replica_id, num_replicas=num_replicas)
+        role = Role(
+            name=f"replica {replica_id}",
+            replica=replica_id,
+            num_replicas=num_replicas,
+            schedule=schedule,  # DiLoCo's inner steps: the run's learning rate
+        )
         self.actor: Any = None
         self.group: ActorWorkers | None = None
         if grid is None:

@@ -51,6 +51,7 @@ from scaleout.strategies.downpour.failures import ReplicaFailures
 from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica, placement
+from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT, plot_staleness
 from scaleout.strategies.model_parallel import (
     ModelParallelSection,
     check_grid_steps,
@@ -78,6 +79,41 @@ def check_replica_steps(job: Job, grid: bool) -> None:
         )
     if grid:
         check_grid_steps(job)
+
+
+def check_asynchrony(opts: DownpourSection, grid: bool) -> None:
+    """What DiLoCo and bounded staleness need, one line each otherwise: both fetch after
+    their own push is applied (no fetch and push threads), DiLoCo once per push, bounded
+    staleness at least once; neither runs on a model-parallel grid, whose workers fetch
+    and push in step."""
+    wanted = []
+    if opts.mode == "diloco":
+        wanted.append('downpour.mode = "diloco"')
+        if opts.n_fetch != opts.n_push:
+            raise ConfigError(
+                'downpour.mode = "diloco" pushes after n_push inner steps and fetches the '
+                f"result: set downpour.n_fetch = downpour.n_push (now {opts.n_fetch} and "
+                f"{opts.n_push})"
+            )
+    if opts.max_staleness is not None:
+        wanted.append(f"downpour.max_staleness = {opts.max_staleness}")
+        if opts.n_fetch > opts.n_push:
+            raise ConfigError(
+                f"downpour.max_staleness bounds each push from its window's fetch: set "
+                f"downpour.n_fetch <= downpour.n_push (now {opts.n_fetch} and {opts.n_push})"
+            )
+    if not wanted:
+        return
+    if opts.threads is True:
+        raise ConfigError(
+            f"{' and '.join(wanted)} fetch after their own push is applied: set "
+            "downpour.threads = false"
+        )
+    if grid:
+        raise ConfigError(
+            f"{' and '.join(wanted)} need replicas of one worker: a model-parallel grid's "
+            "workers fetch and push in step; set model_parallel.grid = [1, 1]"
+        )
 
 
 class Downpour(ReplicaFailures):
@@ -114,6 +150,7 @@ class Downpour(ReplicaFailures):
                 f"use at most {probe.train_size} replicas or more data"
             )
         check_replica_steps(job, self.grid is not None)
+        check_asynchrony(self.opts, self.grid is not None)
         self.run = RunDir(job.run_dir)
         num = self.opts.num_replicas
         self.positions: list[dict[str, int] | None] = [None] * num
@@ -133,6 +170,7 @@ class Downpour(ReplicaFailures):
         self.weights: Tensors | None = None  # layer-wise: the whole model at the phase's start
         self.pushes: Pushes | None = None
         self._plan: Plan | None = None
+        self.inner_schedule = None
         self._wall_start = time.time()
         self._reported = time.perf_counter()
 
@@ -149,6 +187,10 @@ class Downpour(ReplicaFailures):
             self._plan = Plan(per_phase * probe.num_phases, per_epoch, probe.num_phases, per_phase)
         # the shards' learning rate: Adagrad's default warm-up is 200 updates of n_push steps
         self.schedule = schedule_for(self.cfg, per_phase, steps_per_update=self.opts.n_push)
+        # DiLoCo's replicas step train.optimizer themselves, at the rate of each global step
+        self.inner_schedule = (
+            schedule_for(self.cfg, per_phase) if self.opts.mode == "diloco" else None
+        )
         return self._plan
 
     def _phase_of(self, step: int) -> int:
@@ -240,6 +282,7 @@ class Downpour(ReplicaFailures):
             self.replica_cpus,
             self.opts.replica_resource,
             self._where,
+            self.inner_schedule,
         )
 
     def _load_weights(self, replicas: list[Replica], source: str) -> None:
@@ -269,8 +312,20 @@ class Downpour(ReplicaFailures):
 
     def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]:
         opts = self.opts
+        bounded = opts.max_staleness is not None
+        outer_scale = 1.0 / opts.num_replicas  # DiLoCo: each push 1/R of a round's mean
         return [
-            (self.phase, self.lanes.for_worker(w), opts.n_fetch, opts.n_push, self.threads, fresh)
+            (
+                self.phase,
+                self.lanes.for_worker(w),
+                opts.n_fetch,
+                opts.n_push,
+                self.threads,
+                fresh,
+                opts.mode,
+                bounded,
+                outer_scale,
+            )
             for w in range(replica.size)
         ]
 
@@ -462,3 +517,4 @@ class Downpour(ReplicaFailures):
         if self.pushes is not None:
             self.pushes.close()
             self.pushes = None
+            plot_staleness(self.run.path / PUSHES_FILE, self.run.path / STALENESS_PLOT)

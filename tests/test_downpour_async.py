@@ -1,0 +1,194 @@
+"""Asynchrony that converges, end to end: the staleness bound with one replica slowed, DiLoCo
+against hand-computed outer steps and against strategy single, the threads default, and the
+one-line refusals."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from scaleout.checkpoint import load_checkpoint
+from scaleout.errors import ConfigError
+from scaleout.metrics import read_metrics
+from scaleout.ps.outer import DelayedNesterov
+from scaleout.rundir import RunDir
+from scaleout.strategies.downpour import DownpourSection
+from scaleout.strategies.downpour.pushes import PUSHES_FILE
+from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT
+from tests.test_downpour import driver, write_config
+
+
+def slow_down(run, replica: int, stop: threading.Event) -> threading.Thread:
+    """Hold replica `replica` stopped 0.15 s of every 0.2 s (SIGSTOP / SIGCONT)."""
+
+    def cycle():
+        while run.strategy.step < 10 and not stop.is_set():
+            time.sleep(0.02)
+        pid = run.strategy.replicas[replica].pid()
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.15)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    return thread
+
+
+def slowed_run(tmp_path, name: str, *overrides: str) -> list[dict]:
+    path = write_config(tmp_path, name, replicas=3, warmstart=0, steps=150, eval_every=150)
+    run = driver(path, "downpour.n_fetch=1", "downpour.n_push=1", *overrides)
+    stop = threading.Event()
+    slow_down(run, 2, stop)
+    try:
+        result = run.train()
+    finally:
+        stop.set()
+    assert result.step == 150 and result.summary["replica_failures"] == 0
+    return read_metrics(run.run_dir.path / PUSHES_FILE)
+
+
+@pytest.mark.slow
+def test_no_applied_push_is_staler_than_max_staleness_with_a_replica_slowed(ray_session, tmp_path):
+    free = slowed_run(tmp_path, "free")
+    assert max(p["staleness_max"] for p in free) > 2  # the slowed replica's pushes are stale
+    bounded = slowed_run(tmp_path, "bounded", "downpour.max_staleness=2")
+    assert max(p["staleness_max"] for p in bounded) <= 2
+    assert {p["replica"] for p in bounded} == {0, 1, 2}
+    assert sum(p["wait_s"] for p in bounded) > 0  # the fast ones waited for it
+
+
+def test_max_staleness_trains_records_waits_and_draws_staleness(ray_session, tmp_path):
+    path = write_config(tmp_path, "bounded", warmstart=0, steps=200, eval_every=200)
+    run = driver(path, "downpour.max_staleness=1", "downpour.staleness_rule='inverse'")
+    result = run.train()
+    assert result.step == 200 and result.summary["final_test_accuracy"] > 0.85
+    pushes = read_metrics(run.run_dir.path / PUSHES_FILE)
+    assert max(p["staleness_max"] for p in pushes) <= 1
+    assert all("wait_s" in p and 0 < p["rule_scale"] <= 1 for p in pushes)
+    assert (run.run_dir.path / STALENESS_PLOT).stat().st_size > 0
+    records = read_metrics(run.run_dir.metrics)
+    assert all(r["staleness_max"] <= 1 for r in records if "staleness_max" in r)
+
+
+def test_diloco_with_one_replica_and_plain_outer_sgd_is_strategy_single(ray_session, tmp_path):
+    """Outer SGD at rate 1 on the pseudo-gradient (fetched - local) puts the shards at the
+    replica's own parameters: one DiLoCo replica is strategy single, step for step (to
+    float rounding: w - (w - w_local) is not w_local bit for bit)."""
+    path = write_config(tmp_path, "one", replicas=1, warmstart=0, steps=40, eval_every=20)
+    common = ["downpour.n_fetch=4", "downpour.n_push=4", "train.optimizer=adam", "train.lr=0.002"]
+    diloco = driver(
+        path,
+        *common,
+        "downpour.mode=diloco",
+        "downpour.outer_optimizer=sgd",
+        "downpour.outer_lr=1.0",
+    ).train()
+    single = driver(path, *common, "train.strategy=single", "run.name=single").train()
+    ours, _ = load_checkpoint(RunDir(diloco.run_dir).checkpoints.latest())
+    reference, _ = load_checkpoint(RunDir(single.run_dir).checkpoints.latest())
+    weights = [k for k in reference if k.startswith("model.")]
+    for key in weights:
+        torch.testing.assert_close(ours[key], reference[key], rtol=1e-4, atol=1e-5)
+    assert abs(diloco.final_test_accuracy - single.final_test_accuracy) < 0.005
+
+
+def test_diloco_pushes_once_per_h_steps_and_trains(ray_session, tmp_path):
+    path = write_config(tmp_path, "diloco", warmstart=0, steps=160, eval_every=160)
+    h = 8
+    run = driver(path, f"downpour.n_fetch={h}", f"downpour.n_push={h}", "downpour.mode=diloco")
+    result = run.train()
+    assert result.step == 160 and result.summary["final_test_accuracy"] > 0.8
+    pushes = read_metrics(run.run_dir.path / PUSHES_FILE)
+    assert len(pushes) == 160 // h and {p["steps"] for p in pushes} == {h}
+    assert {p["replica"] for p in pushes} == {0, 1}
+
+
+@pytest.mark.slow
+def test_diloco_replica_killed_restarts_with_a_fresh_inner_optimizer(ray_session, tmp_path):
+    """The inner optimizer's state is not checkpointed: a restarted replica starts a fresh
+    one from the shards' parameters, and the run completes."""
+    path = write_config(tmp_path, "diloco", warmstart=0, steps=400, eval_every=400)
+    run = driver(path, "downpour.n_fetch=4", "downpour.n_push=4", "downpour.mode=diloco")
+    thread_started = threading.Event()
+
+    def kill():
+        while run.strategy.step < 120:
+            time.sleep(0.05)
+        os.kill(run.strategy.replicas[1].pid(), signal.SIGKILL)
+        thread_started.set()
+
+    threading.Thread(target=kill, daemon=True).start()
+    result = run.train()
+    assert thread_started.is_set()
+    assert result.step == 400 and result.summary["replica_restarts"] == 1
+    assert result.summary["final_test_accuracy"] > 0.8
+
+
+def test_delayed_nesterov_is_torch_nesterov_at_delay_1_and_one_sync_step_per_round():
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(6, generator=g) for _ in range(6)]
+    ours, torchs = torch.zeros(6, requires_grad=True), torch.zeros(6, requires_grad=True)
+    mine = DelayedNesterov([ours], lr=0.7, momentum=0.9, delay=1)
+    reference = torch.optim.SGD([torchs], lr=0.7, momentum=0.9, nesterov=True)
+    for grad in grads:
+        ours.grad, torchs.grad = grad.clone(), grad.clone()
+        mine.step()
+        reference.step()
+    torch.testing.assert_close(ours, torchs)
+    # delay 2: two pushes of g/2 move the parameters as one synchronous step on g
+    delayed, sync = torch.zeros(6, requires_grad=True), torch.zeros(6, requires_grad=True)
+    mine = DelayedNesterov([delayed], lr=0.7, momentum=0.9, delay=2)
+    reference = torch.optim.SGD([sync], lr=0.7, momentum=0.9, nesterov=True)
+    for grad in grads:
+        for _ in range(2):
+            delayed.grad = grad / 2
+            mine.step()
+        sync.grad = grad.clone()
+        reference.step()
+    torch.testing.assert_close(delayed, sync)
+
+
+def test_threads_default_is_off():
+    """The fetch and push threads cost convergence (a replica computes on parameters older
+    than its own last push): off unless asked for."""
+    assert DownpourSection().threads is False
+    assert DownpourSection().replica_threads(1, 1, cpus=64, nodes=4) is False
+    auto = DownpourSection(threads="auto")
+    assert auto.replica_threads(1, 1, cpus=64, nodes=4) == "auto"
+    assert DownpourSection(threads="auto", mode="diloco").replica_threads(1, 1, 64, 4) is False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["downpour.mode=diloco", "downpour.n_fetch=1", "downpour.n_push=3"],
+            "n_fetch = downpour.n_push",
+        ),
+        (["downpour.max_staleness=1", "downpour.n_fetch=4", "downpour.n_push=2"], "n_fetch <= "),
+        (["downpour.max_staleness=1", "downpour.threads=true"], "downpour.threads = false"),
+        (["downpour.mode=diloco", "downpour.threads=true"], "downpour.threads = false"),
+    ],
+)
+def test_bad_asynchrony_settings_are_one_line(tmp_path, overrides, message):
+    path = write_config(tmp_path)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as caught:
+        driver(path, *overrides)
+    assert "\n" not in str(caught.value)
+
+
+def test_dc_and_gap_rules_train(ray_session, tmp_path):
+    for rule in ("dc", "gap"):
+        path = write_config(tmp_path, rule, warmstart=0, steps=100, eval_every=100)
+        run = driver(path, f"downpour.staleness_rule={rule}")
+        result = run.train()
+        assert result.summary["final_test_accuracy"] > 0.8, rule
+        pushes = read_metrics(run.run_dir.path / PUSHES_FILE)
+        assert any(p["staleness"] > 0 for p in pushes)
+        assert np.isfinite([p["rule_scale"] for p in pushes]).all()
