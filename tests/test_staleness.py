@@ -110,6 +110,17 @@ def test_a_window_waits_for_the_one_it_would_make_too_stale():
     assert gate.try_open("a")
 
 
+def test_windows_open_first_come_first_served():
+    """A fast replica that closes and asks again at once does not starve one refused
+    before it."""
+    gate = Windows(bound=0, expire_s=60)
+    assert gate.try_open("fast", now=0.0)
+    assert not gate.try_open("slow", now=0.01)
+    gate.close("fast")
+    assert not gate.try_open("fast", now=0.02)  # the slow one asked first
+    assert gate.try_open("slow", now=0.03)
+
+
 def test_a_failed_replicas_windows_are_dropped():
     gate = Windows(bound=0, expire_s=60)
     assert gate.try_open("a", owner="replica0")

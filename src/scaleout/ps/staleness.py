@@ -22,9 +22,9 @@ versions. A push staler than that is compensated from the oldest kept (and count
 
 `Windows` bounds staleness (`downpour.max_staleness`, SSP-like): a replica opens a window
 before it fetches and closes it once its push is applied; a window opens only when no open
-window's push can then land more than `bound` updates after its fetch. Replicas wait at the
-open, never with a gradient computed, so no push is discarded and nothing deadlocks: the
-windows open always close.
+window's push can then land more than `bound` updates after its fetch, and in the order the
+replicas first asked. Replicas wait at the open, never with a gradient computed, so no push
+is discarded and nothing deadlocks: the windows open always close.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ Rule = Literal["none", "inverse", "dc", "gap"]
 RULES: tuple[Rule, ...] = ("none", "inverse", "dc", "gap")
 GAP_BETA = 0.999  # the running mean of one update's magnitude (gap-aware's C)
 GAP_EPS = 1e-12
+WAITER_GONE_S = 1.0  # a refused client asks again within 50 ms; one silent this long left
 
 
 @dataclass(frozen=True)
@@ -167,19 +168,27 @@ class Windows:
         self.bound, self.expire_s = bound, expire_s
         self.open: dict[str, _Window] = {}  # client -> its window
         self.owners: dict[str, str] = {}  # client -> the replica it belongs to
+        self.waiting: dict[str, tuple[float, float]] = {}  # refused: first refusal, last ask
         self.refused = 0
 
-    def try_open(self, client: str, owner: str = "") -> bool:
-        """Open `client`'s window if every open one's push still lands within the bound;
-        False: wait and ask again."""
-        now = time.monotonic()
+    def try_open(self, client: str, owner: str = "", now: float | None = None) -> bool:
+        """Open `client`'s window if every open one's push still lands within the bound
+        and no client refused before it still waits (first come, first served: a fast
+        replica does not starve a slow one); False: wait and ask again."""
+        now = time.monotonic() if now is None else now
         for other in [c for c, w in self.open.items() if now - w.opened > self.expire_s]:
             self.close(other)  # its replica died or stalled: the driver restarts it
+        for other in [c for c, (_, last) in self.waiting.items() if now - last > WAITER_GONE_S]:
+            del self.waiting[other]  # stopped asking: gone
         self.close(client)
+        first = self.waiting.get(client, (now, now))[0]
+        ahead = any(since < first for c, (since, _) in self.waiting.items() if c != client)
         others = list(self.open.values())
-        if len(others) > self.bound or any(w.overlap + 1 > self.bound for w in others):
+        if ahead or len(others) > self.bound or any(w.overlap + 1 > self.bound for w in others):
+            self.waiting[client] = (first, now)
             self.refused += 1
             return False
+        self.waiting.pop(client, None)
         for window in others:
             window.overlap += 1
         self.open[client] = _Window(now, len(others))
@@ -194,3 +203,4 @@ class Windows:
         """Close every window of replica `owner` (it failed; a restarted one opens anew)."""
         for client in [c for c, o in self.owners.items() if o == owner]:
             self.close(client)
+            self.waiting.pop(client, None)

@@ -31,7 +31,11 @@ What runs, as the library runs it:
   has a core for every replica, shard and backup: `DownpourSection.backups_per_shard`) a
   shard forwards each push to it (the payload into the object store, across to the
   backup's machine), applies its own copy meanwhile, and answers once the backup has
-  applied it too.
+  applied it too;
+- `downpour.mode = "diloco"` and `downpour.max_staleness` (threads off in both): the inner
+  optimizer's steps and the outer one's, the gate that holds a replica back before its
+  window's fetch, and the push of a window still open at a chunk's end, as
+  `scaleout.sim.downpour_modes` prices them.
 
 Byte counts are the library's: the shard ranges (`shard_ranges`) and each push's payload
 size (`Wire` / `payload_size`). Costs are the calibration's: a pull's and a push's wall
@@ -67,7 +71,6 @@ represented ones are. Simulating every replica would take hours at 1000 machines
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import replace
 from typing import Any
 
@@ -75,6 +78,8 @@ import simpy
 
 from scaleout.compress.payload import payload_size
 from scaleout.ps.layout import shard_ranges
+from scaleout.sim.downpour_modes import Gate, ReplicaModes
+from scaleout.sim.downpour_report import RunReport
 from scaleout.sim.downpour_shards import ShardCalls
 from scaleout.sim.downpour_state import Replica, Shard
 from scaleout.sim.downpour_threads import ReplicaThreads
@@ -88,7 +93,7 @@ STEADY_STEPS_PER_REPLICA = 120  # simulated (6 chunks) when the run itself is lo
 REPRESENTED = 64  # replicas simulated at most; more are represented by these
 
 
-class DownpourSim(ShardCalls, ReplicaThreads):
+class DownpourSim(ShardCalls, ReplicaThreads, ReplicaModes, RunReport):
     """One simulated Downpour run of `config` (a `RunConfig`) in `setting`."""
 
     def __init__(
@@ -152,6 +157,8 @@ class DownpourSim(ShardCalls, ReplicaThreads):
         ]
         self.pull_bytes = [4 * s.numel for s in self.shards]
         self.staleness: list[int] = []
+        bound = self.opts.max_staleness
+        self.gate = None if bound is None else Gate(bound, self.opts.timeout_s)
         self.step = self.examples = 0
         self.pushes = self.pulls = 0
         self.times: list[tuple[float, int]] = []  # (time, examples) after each chunk
@@ -186,16 +193,17 @@ class DownpourSim(ShardCalls, ReplicaThreads):
             started = self.env.now
             if threads is not None:
                 yield from self._adopt(replica, threads)
-            elif replica.steps % self.opts.n_fetch == 0:
-                yield from self._wake(replica)
-                yield from self._fetch(replica, replica.versions)
+            else:
+                yield from self._before_step(replica)
             computing = self.env.now
             yield from machine.compute(step_s, self.threads)
+            yield from self._inner_step(replica)
             pushing = self.env.now
             replica.computed_s += pushing - computing
             replica.steps += 1
             self.step_ends.append(self.env.now)
-            if replica.steps % self.opts.n_push == 0:
+            pushed = replica.steps - replica.steps_pushed >= self.opts.n_push
+            if pushed:
                 if threads is not None:
                     yield from self._hand_over(replica, threads)
                 else:
@@ -205,15 +213,42 @@ class DownpourSim(ShardCalls, ReplicaThreads):
             replica.compute_s += pushing - computing
             replica.push_s += self.env.now - pushing
             if replica.probe is not None:
-                push_s, pushed = self.env.now - pushing, replica.steps % self.opts.n_push == 0
+                push_s = self.env.now - pushing
                 self._measure_window(
                     replica, computing - started, pushing - computing, push_s, pushed
                 )
                 threads = replica.threads
             replica.steady_steps += 1
+        yield from self._release_window(replica)
         _, (wall, cpu) = self.cal.pull.sides(0)  # the answer: a call's callee side, no payload
         yield from machine.call(wall, cpu, self._hop_wait(0))
         yield from self._driver_turn()
+
+    def _before_step(self, replica: Replica) -> Process:
+        """`ReplicaClient.before_step`, threads off: a fetch every `n_fetch` steps, and
+        with a staleness bound, whenever no window is open, the gate and then a fetch (the
+        window's first)."""
+        opening = self.gate is not None and not replica.window_open
+        if not opening and replica.steps % self.opts.n_fetch:
+            return
+        yield from self._wake(replica)
+        if opening:
+            waited = replica.wait_s
+            yield from self._open_window(replica)
+            replica.fetch_s -= replica.wait_s - waited  # not the fetch's: `wait_s`
+        yield from self._fetch(replica, replica.versions)
+        yield from self._anchor(replica)
+
+    def _release_window(self, replica: Replica) -> Process:
+        """At a chunk's end (`take_records`, `ReplicaClient.release`), with a staleness
+        bound: a window still open is pushed now, with the steps it holds (a whole push's
+        bytes), applied and closed, so the replica holds no other back while it idles."""
+        if self.gate is None or not replica.window_open or replica.steps == replica.steps_pushed:
+            return
+        started = self.env.now
+        yield from self._wake(replica)
+        yield from self._push(replica)
+        replica.push_s += self.env.now - started
 
     def _wake(self, replica: Replica) -> Process:
         """The first calls of a replica's compute thread after it computed: Ray's threads
@@ -315,45 +350,9 @@ class DownpourSim(ShardCalls, ReplicaThreads):
         if replica.threads is not None:
             yield replica.threads.outbox.put(None)
             yield replica.threads.stopped
-        if replica.steps % self.opts.n_push:
+        if replica.steps > replica.steps_pushed:
             yield from self._push(replica)
         yield self.env.all_of(replica.pending)
-
-    def _mark(self) -> None:
-        """Utilisation from here on: the warm start's one replica would hide the bottleneck
-        of the steady part."""
-        self.steady_since = self.env.now
-        if self.weight > 1:  # the shards serve the represented replicas too
-            self.scale = self.weight
-            traffic = self.cluster.traffic
-            self.warm_counts = (
-                traffic.wire_bytes,
-                traffic.local_bytes,
-                traffic.messages,
-                dict(traffic.by_kind),
-            )
-            self.warm_calls = (self.pushes, self.pulls)
-            for shard in self.shards:
-                self.cluster.machines[shard.machine].flows = self.weight
-        self.cluster.mark()
-        for shard in self.shards:
-            shard.busy = 0.0
-        for replica in self.replicas:
-            replica.compute_s = replica.fetch_s = replica.push_s = 0.0
-            replica.steady_steps = 0
-        self.driver_busy = 0.0
-
-    def _count_represented(self) -> None:
-        """Traffic and calls since the warm start, times `weight`."""
-        traffic, (wire, local, messages, by_kind) = self.cluster.traffic, self.warm_counts
-        extra = self.weight - 1
-        traffic.wire_bytes += round(extra * (traffic.wire_bytes - wire))
-        traffic.local_bytes += round(extra * (traffic.local_bytes - local))
-        traffic.messages += round(extra * (traffic.messages - messages))
-        for kind, nbytes in traffic.by_kind.items():
-            traffic.by_kind[kind] = nbytes + round(extra * (nbytes - by_kind.get(kind, 0)))
-        self.pushes += round(extra * (self.pushes - self.warm_calls[0]))
-        self.pulls += round(extra * (self.pulls - self.warm_calls[1]))
 
     # --- the run ---------------------------------------------------------------------------
 
@@ -385,64 +384,3 @@ class DownpourSim(ShardCalls, ReplicaThreads):
         driver = self.env.process(self._driver(total))
         self.env.run(until=driver)
         return self._result(total)
-
-    def _result(self, total: int) -> Result:
-        elapsed = self.env.now
-        examples = self.examples
-        # The steady rate: steps as they end, in the middle of the run after the warm start
-        # (without the replicas' first fetches all at once, or the last chunks ending alone).
-        ends, first = self.step_ends, self.opts.warmstart_steps
-        low, high = first + (len(ends) - first) // 5, first + 9 * (len(ends) - first) // 10
-        steady = None
-        if high < len(ends) and ends[high] > ends[low]:
-            steady = (high - low) * self.scale * self.train.batch_size / (ends[high] - ends[low])
-        span = elapsed - (self.steady_since or 0.0)
-        replica_busy = [r.compute_s / span for r in self.replicas if r.steps] if span else []
-        roles = {
-            "replica compute": statistics.mean(replica_busy) if replica_busy else 0.0,
-            "shard queue": max(s.busy / span for s in self.shards) if span else 0.0,
-            "driver": self.driver_busy / span if span else 0.0,
-            "evaluation pauses": self.paused_s / span if span else 0.0,
-        }
-        stale = self.staleness or [0]
-        if self.weight > 1:  # what the represented replicas sent too
-            self._count_represented()
-        return Result.of_run(
-            self.cluster,
-            roles,
-            steps=total,
-            examples=examples,
-            step_s=elapsed / total,
-            steady_examples_per_s=steady,
-            trained_s=self.trained_s,
-            num_machines=self.setting.machines,
-            extra={
-                "replicas": self.num_replicas,
-                "simulated_replicas": len(self.replicas),
-                "shards": len(self.shards),
-                "pushes": self.pushes,
-                "pulls": self.pulls,
-                "staleness_mean": statistics.mean(stale),
-                "staleness_max": max(stale),
-                "staleness_histogram": _histogram(stale),
-                # a replica's compute thread per step after the warm start, as pushes.jsonl
-                # has it per push (compute_s, fetch_s, push_s)
-                "replica_step_s": self._replica_step_s(),
-            },
-        )
-
-    def _replica_step_s(self) -> dict[str, float]:
-        active = [r for r in self.replicas if r.steady_steps]
-        if not active:
-            return {}
-        return {
-            part: statistics.mean(getattr(r, f"{part}_s") / r.steady_steps for r in active)
-            for part in ("compute", "fetch", "push")
-        }
-
-
-def _histogram(values: list[int]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for value in values:
-        counts[str(value)] = counts.get(str(value), 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))

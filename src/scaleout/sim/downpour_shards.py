@@ -48,6 +48,12 @@ class ShardCalls:
     pushes: int
     pulls: int
 
+    if TYPE_CHECKING:  # `ReplicaModes`
+
+        def shard_optimizer(self) -> tuple[str, str]: ...
+        def _pseudo_gradient(self, replica: Replica) -> Process: ...
+        def _close_window(self, replica: Replica) -> Process: ...
+
     def _zero_s(self) -> float:
         """A replica zeroing its gradient after a push: as measured after a step (cold from
         memory) where the model was, else back to back."""
@@ -57,7 +63,7 @@ class ShardCalls:
 
     def _state_bytes(self, shard: Shard) -> int:
         """What a shard's checkpoint writes: its values and its optimizer's state."""
-        return checkpoint_bytes(shard.numel, self.train.optimizer)
+        return checkpoint_bytes(shard.numel, self.shard_optimizer()[1])
 
     def _serve(self, shard: Shard, work: Process) -> Process:
         """`work` in the shard's actor, after the calls queued before (one at a time)."""
@@ -179,11 +185,11 @@ class ShardCalls:
         done.succeed()
 
     def _update(self, shard: Shard, nbytes: int, base_version: int) -> Process:
-        """The shard takes a push: the call's callee side, decode, the optimizer's step, and
-        every `shard_checkpoint_every` updates a checkpoint."""
+        """The shard takes a push: the call's callee side, decode, the optimizer's step
+        (DiLoCo: the outer one), and every `shard_checkpoint_every` updates a checkpoint."""
         codec = self.push_codecs[shard.index]
         seconds = self.cal.codec_s(codec, shard.numel, "decode") + self.cal.apply_s(
-            self.train.optimizer, shard.numel
+            self.shard_optimizer()[0], shard.numel
         )
         yield from self._call(shard.machine, self.cal.push, nbytes, caller=False)
         replicated = None
@@ -228,16 +234,21 @@ class ShardCalls:
         yield from self._pull_all(replica, versions, "pull")
 
     def _push(self, replica: Replica) -> Process:
-        """A push from the compute thread (threads off, or a flush): the previous push
-        applied and its answers collected (`_collect(wait=True)`), the gradient sent, its
-        buffer zeroed."""
+        """A push from the compute thread (threads off, a flush, or a bounded replica's
+        release at its chunk's end), of the steps since its last: DiLoCo's pseudo-gradient
+        computed, the previous push applied and its answers collected
+        (`_collect(wait=True)`), the gradient sent, its buffer zeroed; with a staleness
+        bound, this push applied too and its window closed."""
         machine = self.cluster.machines[replica.machine]
+        replica.steps_pushed = replica.steps
+        yield from self._pseudo_gradient(replica)
         if replica.pending:
             yield self.env.all_of(replica.pending)
             yield from machine.work(self.cal.collect_push_s(len(replica.pending)))
         replica.pending = []
         yield from self._send(replica, list(replica.versions))
         yield from machine.work(self._zero_s())
+        yield from self._close_window(replica)
 
     def _send(self, replica: Replica, versions: list[int]) -> Process:
         """Encode the gradient per shard and put each slice into the object store; the

@@ -47,9 +47,13 @@ class Replica:
     machine: int
     versions: list[int]
     steps: int = 0
+    steps_pushed: int = 0  # `steps` at its last push (`ReplicaClient._steps_pushed`)
+    window_open: bool = False  # with a staleness bound: fetched, not pushed (`_window`)
     compute_s: float = 0.0  # since the warm start: computing,
     fetch_s: float = 0.0  # fetching (or adopting fetched parameters),
     push_s: float = 0.0  # pushing (or handing a push over), in its compute thread
+    wait_s: float = 0.0  # and waiting at the staleness bound's gate (not in `fetch_s`)
+    waits: list[float] = field(default_factory=list)  # seconds at the gate, per window
     steady_steps: int = 0
     pending: list[simpy.Event] = field(default_factory=list)
     free: simpy.Event | None = None  # set when its current chunk ends

@@ -117,6 +117,7 @@ class ReplicaThreads:
     def _hand_over(self, replica: Replica, threads: Threads) -> Process:
         """The compute thread's push: a copy of the gradient into the push thread's queue
         (waiting while two are queued), its buffer zeroed."""
+        replica.steps_pushed = replica.steps
         yield from self._copy(replica)
         yield from self.cluster.machines[replica.machine].work(self._zero_s())
         yield threads.outbox.put(list(replica.versions))
