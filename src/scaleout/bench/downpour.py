@@ -76,9 +76,15 @@ RUNS: dict[str, tuple[str, dict[str, Any], dict[str, Any], int]] = {
         {"num_replicas": 2, "warmstart_steps": 200},
         1,
     ),
+    "downpour R=2, adagrad, diloco H=8": (
+        "downpour",
+        ADAGRAD,
+        {"num_replicas": 2, "mode": "diloco", "n_fetch": 8, "n_push": 8},
+        1,
+    ),
 }
 BASELINE = "single worker, sgd, 1 thread"
-CANDIDATE = "downpour R=2, adagrad"  # the demo's settings
+CANDIDATE = "downpour R=2, adagrad, diloco H=8"  # the demo's settings
 TARGET_REPEATS = 3  # runs of the baseline and the candidate; their times are the medians
 
 
