@@ -96,8 +96,9 @@ def metrics_text(output, target):
         ),
     ],
 )
-def test_bad_step_option_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, strategy,
-                                                overrides, expected):
+def test_bad_step_option_is_one_line_and_exit_2(
+    tmp_path, monkeypatch, capsys, strategy, overrides, expected
+):
     module = f"step_factories_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{module}.py").write_text(FACTORIES)
     monkeypatch.chdir(tmp_path)

@@ -345,12 +345,12 @@ def test_diverging_replica_stops_the_run_with_the_users_error(ray_session, tmp_p
 
 
 def test_one_replica_fetching_and_pushing_every_step_is_strategy_single(ray_session, tmp_path):
-    """One replica, n_fetch = n_push = 1, no warm start: the shards apply each gradient before
-    the next fetch, with the same element-wise optimizer, and replica 0 draws strategy
-    single's batches and dropout masks: the runs end with the same weights, bit for bit."""
+    """One replica, n_fetch = n_push = 1, no warm start, threads at their default (off):
+    the shards apply each gradient before the next fetch, with the same element-wise
+    optimizer, and replica 0 draws strategy single's batches and dropout masks: the runs
+    end with the same weights, bit for bit."""
     path = write_config(tmp_path, "one", replicas=1, warmstart=0, steps=40, eval_every=20)
     overrides = ["downpour.n_fetch=1", "downpour.n_push=1", "model.dropout=[0.2, 0.5]"]
-    overrides.append("downpour.threads=false")  # in turn, whatever "auto" would measure
     downpour = driver(path, *overrides).train()
     single = driver(path, *overrides, "train.strategy=single", "run.name=single").train()
     ours, _ = load_checkpoint(RunDir(downpour.run_dir).checkpoints.latest())

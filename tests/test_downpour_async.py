@@ -6,10 +6,12 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from test_downpour import driver, write_config
 
 from scaleout.checkpoint import load_checkpoint
 from scaleout.errors import ConfigError
@@ -19,7 +21,6 @@ from scaleout.rundir import RunDir
 from scaleout.strategies.downpour import DownpourSection
 from scaleout.strategies.downpour.pushes import PUSHES_FILE
 from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT
-from tests.test_downpour import driver, write_config
 
 
 def slow_down(run, replica: int, stop: threading.Event) -> threading.Thread:
@@ -152,6 +153,39 @@ def test_delayed_nesterov_is_torch_nesterov_at_delay_1_and_one_sync_step_per_rou
         sync.grad = grad.clone()
         reference.step()
     torch.testing.assert_close(delayed, sync)
+
+
+def test_one_replica_at_its_defaults_is_strategy_single_on_the_lm(ray_session, tmp_path):
+    """examples/char_lm.toml (shrunk): AdamW, cosine schedule with warm-up, clipping, tied
+    embeddings. One Downpour replica at the defaults (n_fetch = n_push = 1, threads off)
+    ends where strategy single ends."""
+    tiny = [
+        "model.kwargs={block = 16, width = 32, layers = 1, heads = 2}",
+        "data.kwargs={block = 16, max_chars = 40000, test_chars = 4096}",
+        "train.steps=30",
+        "train.warmup_steps=5",
+        "train.eval_every=30",
+        "train.checkpoint_every=30",
+        f"run.out_dir='{tmp_path}'",
+        "downpour.num_replicas=1",
+    ]
+    runs = {}
+    for strategy in ("single", "downpour"):
+        run = driver(
+            Path("examples/char_lm.toml"),
+            *tiny,
+            f"train.strategy={strategy}",
+            f"run.name={strategy}",
+        )
+        runs[strategy] = run.train()
+    ours, _ = load_checkpoint(RunDir(runs["downpour"].run_dir).checkpoints.latest())
+    reference, _ = load_checkpoint(RunDir(runs["single"].run_dir).checkpoints.latest())
+    weights = [k for k in reference if k.startswith("model.")]
+    assert weights
+    for key in weights:
+        torch.testing.assert_close(ours[key], reference[key], rtol=1e-5, atol=1e-6)
+    losses = [runs[s].summary["final_test_loss"] for s in ("downpour", "single")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
 
 
 def test_threads_default_is_off():

@@ -818,7 +818,8 @@ def test_cli_simulate_writes_rows_and_refuses_bad_input(tmp_path):
     cal_file = calibration(load_config(path)).save(tmp_path / "cal.json")
     out = tmp_path / "sim"
     args = ["simulate", path, "--calibration", str(cal_file), "--out", str(out)]
-    code = main([*args, "--machines", "1,2", "--steps", "60", "--sweep", "downpour.n_push=1,3"])
+    sweep = ["--sweep", "downpour.n_push=1,3", "--set", "downpour.mode=gradients"]
+    code = main([*args, "--machines", "1,2", "--steps", "60", *sweep])
     assert code == 0
     rows = json.loads((out / "simulate.json").read_text())["rows"]
     assert [(r["downpour.n_push"], r["machines"]) for r in rows] == [

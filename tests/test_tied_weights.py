@@ -39,19 +39,42 @@ TINY = {"block": 16, "width": 32, "layers": 1, "heads": 2}
 
 def lm_config(tmp_path: Path, name: str, strategy: str, model: str = "examples.char_lm") -> dict:
     return {
-        "run": {"name": name, "seed": 0, "device": "cpu", "num_threads": 1,
-                "out_dir": str(tmp_path / "runs")},
+        "run": {
+            "name": name,
+            "seed": 0,
+            "device": "cpu",
+            "num_threads": 1,
+            "out_dir": str(tmp_path / "runs"),
+        },
         "model": {"factory": f"{model}:build_model", "kwargs": TINY},
-        "data": {"factory": "examples.char_lm:build_data",
-                 "kwargs": {"block": 16, "max_chars": 40_000, "test_chars": 4096}},
-        "train": {"strategy": strategy, "steps": 20, "batch_size": 16, "optimizer": "adamw",
-                  "lr": 0.01, "weight_decay": 0.1, "lr_schedule": "cosine", "warmup_steps": 3,
-                  "grad_clip_norm": 1.0, "eval_every": 10, "log_every": 5,
-                  "checkpoint_every": 10},
+        "data": {
+            "factory": "examples.char_lm:build_data",
+            "kwargs": {"block": 16, "max_chars": 40_000, "test_chars": 4096},
+        },
+        "train": {
+            "strategy": strategy,
+            "steps": 20,
+            "batch_size": 16,
+            "optimizer": "adamw",
+            "lr": 0.01,
+            "weight_decay": 0.1,
+            "lr_schedule": "cosine",
+            "warmup_steps": 3,
+            "grad_clip_norm": 1.0,
+            "eval_every": 10,
+            "log_every": 5,
+            "checkpoint_every": 10,
+        },
         "downpour": {"num_replicas": 2, "num_shards": 2},
         "sync": {"num_workers": 2},
-        "sandblaster": {"num_replicas": 2, "num_shards": 2, "portion_size": 64,
-                        "batch_size": 512, "max_iterations": 6, "dtype": "float32"},
+        "sandblaster": {
+            "num_replicas": 2,
+            "num_shards": 2,
+            "portion_size": 64,
+            "batch_size": 512,
+            "max_iterations": 6,
+            "dtype": "float32",
+        },
     }
 
 
@@ -192,8 +215,13 @@ def test_downpour_adamw_cosine_clipping_one_replica_is_single_bit_for_bit(ray_se
     each step as single does, and the shards step AdamW at the schedule's rate of the
     global step their pushes carried: the same weights, bit for bit."""
     config = lm_config(tmp_path, "downpour_one", "downpour")
-    config["downpour"] = {"num_replicas": 1, "num_shards": 2, "n_fetch": 1, "n_push": 1,
-                          "threads": False}
+    config["downpour"] = {
+        "num_replicas": 1,
+        "num_shards": 2,
+        "n_fetch": 1,
+        "n_push": 1,
+        "threads": False,
+    }
     downpour = fit(config)
     single = fit(config, "train.strategy='single'", "run.name='single_one'")
     (ours, _), (reference, _) = final(downpour), final(single)

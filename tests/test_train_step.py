@@ -21,12 +21,25 @@ from scaleout.train.step import micro_batches
 
 def config(tmp_path: Path, name: str, **train) -> dict:
     return {
-        "run": {"name": name, "seed": 3, "device": "cpu", "num_threads": 1,
-                "out_dir": str(tmp_path / "runs")},
+        "run": {
+            "name": name,
+            "seed": 3,
+            "device": "cpu",
+            "num_threads": 1,
+            "out_dir": str(tmp_path / "runs"),
+        },
         "data": {"dataset": "mnist", "num_train": 2048, "num_test": 512},
         "model": {"kind": "mlp", "sizes": [784, 64, 10], "dropout": [0.2, 0.5]},
-        "train": {"steps": 25, "batch_size": 32, "optimizer": "momentum", "lr": 0.05,
-                  "eval_every": 25, "log_every": 1, "checkpoint_every": 1000, **train},
+        "train": {
+            "steps": 25,
+            "batch_size": 32,
+            "optimizer": "momentum",
+            "lr": 0.05,
+            "eval_every": 25,
+            "log_every": 1,
+            "checkpoint_every": 1000,
+            **train,
+        },
     }
 
 
@@ -39,8 +52,7 @@ def test_clipping_and_cosine_schedule_equal_a_hand_written_loop(tmp_path):
     """The same steps as torch's own loop: clip_grad_norm_ on every step's gradient,
     warm-up then cosine annealing from torch's schedulers; the logged lr and grad_norm are
     the loop's."""
-    train = {"lr_schedule": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1,
-             "grad_clip_norm": 0.5}
+    train = {"lr_schedule": "cosine", "warmup_steps": 5, "min_lr_ratio": 0.1, "grad_clip_norm": 0.5}
     result = scaleout.fit(config(tmp_path, "clip", **train), overwrite=True)
 
     torch.manual_seed(3)
@@ -73,7 +85,8 @@ def test_accumulation_equals_one_step_on_the_whole_batch(tmp_path):
     and the loss it reports is the whole batch's."""
     common = {"optimizer": "sgd", "lr": 0.1}
     fit = lambda name, **extra: scaleout.fit(  # noqa: E731
-        config(tmp_path, name, **common, **extra), overrides=["model.dropout=0.0"],
+        config(tmp_path, name, **common, **extra),
+        overrides=["model.dropout=0.0"],
         overwrite=True,
     )
     whole, micro = fit("whole"), fit("micro", accumulate_steps=4)
@@ -98,8 +111,9 @@ def test_bf16_learns_as_fp32_does(tmp_path):
     test loss, with different weights (the matmuls did run in bf16)."""
     train = {"optimizer": "adamw", "lr": 0.003, "steps": 60, "eval_every": 60}
     fp32 = scaleout.fit(config(tmp_path, "fp32", **train), overwrite=True)
-    bf16 = scaleout.fit(config(tmp_path, "bf16", **train), overrides=["run.precision='bf16'"],
-                        overwrite=True)
+    bf16 = scaleout.fit(
+        config(tmp_path, "bf16", **train), overrides=["run.precision='bf16'"], overwrite=True
+    )
     assert bf16.final_test_loss == pytest.approx(fp32.final_test_loss, rel=0.02)
     assert bf16.final_test_loss < 0.6 * 2.3  # it learned: chance is ln 10 = 2.3
     a, b = weights(fp32), weights(bf16)
@@ -112,8 +126,7 @@ def top3(output, target):
 
 
 def test_user_metrics_perplexity_and_accuracy_are_logged_and_summarised(tmp_path):
-    result = scaleout.fit(config(tmp_path, "metrics", eval_every=10), metrics=top3,
-                          overwrite=True)
+    result = scaleout.fit(config(tmp_path, "metrics", eval_every=10), metrics=top3, overwrite=True)
     evals = [r for r in read_metrics(RunDir(result.run_dir).metrics) if "test_loss" in r]
     assert [r["step"] for r in evals] == [10, 20, 25]
     for record in evals:
@@ -150,11 +163,14 @@ def test_ddp_all_reduces_once_per_step_however_many_micro_batches(tmp_path):
                 return _done(bucket.buffer())
 
             network.register_comm_hook(None, counting)
-            stepper = Stepper(TrainSection(batch_size=16, accumulate_steps=micro), "fp32",
-                              torch.device("cpu"))
+            stepper = Stepper(
+                TrainSection(batch_size=16, accumulate_steps=micro), "fp32", torch.device("cpu")
+            )
             objective = Supervised(cross_entropy, classification=True)
-            batch = [torch.randn(16, 6, generator=torch.Generator().manual_seed(1)),
-                     torch.arange(16) % 3]
+            batch = [
+                torch.randn(16, 6, generator=torch.Generator().manual_seed(1)),
+                torch.arange(16) % 3,
+            ]
             stepper.forward_backward(objective, network.module, network, batch, 0)
             assert len(calls) == 1, (micro, calls)
             grads.append(network.module.weight.grad.clone())

@@ -62,6 +62,9 @@ NUM_REFERENCES = 3
 DOWNPOUR = (
     "configs/mnist_downpour.toml",
     [
+        "downpour.mode=gradients",  # the demo's config runs DiLoCo; these runs push gradients
+        "downpour.n_fetch=3",
+        "downpour.n_push=3",
         "model.sizes=[784, 256, 10]",
         "model.dropout=0.0",
         "train.steps=2000",

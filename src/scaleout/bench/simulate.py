@@ -57,8 +57,12 @@ class Case:
     link: str | None = None  # two testnet hosts joined at this rate; None: one machine alone
 
 
+# the demo's network with gradient pushes every 3 steps (its config now runs DiLoCo)
+GRADIENTS = ("downpour.mode=gradients", "downpour.n_fetch=3", "downpour.n_push=3")
+
+
 def _downpour(name: str, *overrides: str, link: str | None = None) -> Case:
-    return Case(f"downpour {name}", "mnist_downpour.toml", overrides, link)
+    return Case(f"downpour {name}", "mnist_downpour.toml", (*GRADIENTS, *overrides), link)
 
 
 def _sync(name: str, *overrides: str) -> Case:
