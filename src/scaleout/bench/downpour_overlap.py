@@ -15,12 +15,17 @@ Each rate is the median `examples_per_s` of a run's metrics lines after the firs
 warm-up), over `REPEATS` runs of each setting taken in turn (a drift in the machine's load
 falls on every setting alike); the spread of the repeats is in the row's name.
 
+Beside each rate, the time to a target: the first metrics line whose training loss (the
+mean over its window, dropout on) is at most `TARGET_LOSS`, median over the repeats (NaN:
+a run did not get there in its steps). A rate bought with staleness shows up there.
+
 Targets (issue: overlap): one replica >= 0.9x the single worker's examples/s at the same
 thread count; 2 replicas on this 2-core box >= 1.8x one single-threaded worker.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -32,6 +37,7 @@ from scaleout.bench.downpour import fit_metrics
 STEPS = 600  # global steps per run
 LOG_EVERY = 50
 REPEATS = 3
+TARGET_LOSS = 0.35  # training loss (window mean) the time-to-target rows wait for
 BASE: dict[str, Any] = {
     "run": {"seed": 0, "device": "cpu", "num_threads": 1},
     "data": {"dataset": "mnist"},
@@ -66,8 +72,9 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
 REFERENCE = "single worker, 1 thread"
 
 
-def rate(name: str, root: Path) -> float:
-    """Median examples/s of one run's metrics lines after the first."""
+def rate(name: str, root: Path) -> tuple[float, float]:
+    """Median examples/s of one run's metrics lines after the first, and the seconds to
+    the first line at `TARGET_LOSS` (NaN: none)."""
     strategy, downpour = SETTINGS[name]
     raw = {k: dict(v) for k, v in BASE.items()}
     raw["run"] |= {
@@ -77,17 +84,27 @@ def rate(name: str, root: Path) -> float:
     raw["train"] |= {"strategy": strategy}
     raw["downpour"] |= downpour
     lines = [r for r in fit_metrics(raw) if "examples_per_s" in r]
-    return statistics.median(r["examples_per_s"] for r in lines[1:] or lines)
+    reached = next((r["time_s"] for r in lines if r["loss"] <= TARGET_LOSS), float("nan"))
+    return statistics.median(r["examples_per_s"] for r in lines[1:] or lines), reached
 
 
 def measure() -> tuple[list[Row], list[str]]:
     rates: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory(prefix="bench-overlap-") as tmp:
         for _ in range(REPEATS):
             for name in SETTINGS:
-                rates[name].append(rate(name, Path(tmp)))
+                examples_per_s, seconds = rate(name, Path(tmp))
+                rates[name].append(examples_per_s)
+                times[name].append(seconds)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     rows = [Row.median_of(name, values, "examples/s", "higher") for name, values in rates.items()]
+    for name, values in times.items():
+        label = f"{name}: time to training loss {TARGET_LOSS}"
+        if any(math.isnan(v) for v in values):  # a run that never got there has no median
+            rows.append(Row(f"{label} (a run did not get there)", float("nan"), "s", "lower"))
+        else:
+            rows.append(Row.median_of(label, values, "s", "lower"))
     reference = medians[REFERENCE]
     for name in SETTINGS:
         if name == REFERENCE:
