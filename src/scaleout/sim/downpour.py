@@ -14,7 +14,7 @@ What runs, as the library runs it:
   and collects its answers, encodes its gradient per shard, puts it into the object store,
   zeroes its gradient buffer and goes on; its first calls after computing cost more than
   back to back (Ray's threads wake up: `_wake`);
-- with `downpour.threads` (`ps.client._Pipeline`) a replica's fetch and push run in threads
+- with `downpour.threads` (`ps.pipeline.Pipeline`) a replica's fetch and push run in threads
   of their own beside its compute, on its machine's cores: the fetch thread pulls all shards
   whenever `n_fetch` steps have passed since it was last asked, into a buffer the compute
   thread copies in before its next step (and waits for after `2 * n_fetch` steps on the same

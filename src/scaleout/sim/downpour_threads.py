@@ -1,5 +1,5 @@
 """A simulated Downpour replica's fetch and push threads (`downpour.threads`, the
-library's `ps.client._Pipeline`): the fetch thread pulls every shard whenever `n_fetch`
+library's `ps.pipeline.Pipeline`): the fetch thread pulls every shard whenever `n_fetch`
 steps have passed since it was last asked, into a buffer the compute thread copies in before
 its next step; the compute thread hands each push to a queue of two that the push thread
 sends from. `threads = "auto"` measures the push windows first, as `ReplicaClient` does.

@@ -3,7 +3,9 @@
 The strategy asks replica 0 for a phase's starting values (`begin_phase`), starts the
 shards from them, and attaches every replica's workers (`attach`): from then on a
 `ReplicaClient` fetches every `n_fetch` steps and pushes the accumulated gradient every
-`n_push` steps, and the worker has no optimizer of its own. On a model-parallel grid, each
+`n_push` steps, and the worker has no optimizer of its own (DiLoCo: it steps its own, a
+fresh one at each attach, and pushes the change of its parameters instead). On a
+model-parallel grid, each
 worker keeps its own part on shards of its own; replicated parameters (alpha) are kept by
 rank 0 and broadcast after each fetch, their gradients summed over the grid before a push.
 At a phase's end every replica pushes what is left (`flush_pushes`), then adopts the final

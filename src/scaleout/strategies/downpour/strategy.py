@@ -18,6 +18,13 @@ replica 0 fits the phase's start on its first minibatch and its values start the
 shards; at the phase's end every replica pushes what is left and adopts the final values,
 so the frozen layers are the same everywhere.
 
+Asynchrony (`docs/asynchrony.md`): `downpour.mode = "diloco"` has each replica step
+`train.optimizer` itself and push the change of its parameters every `n_push` steps, on
+which the shards step an outer optimizer (`scaleout.ps.outer`); `downpour.staleness_rule`
+changes a late push where the shards apply it, and `downpour.max_staleness` has replicas
+wait before a fetch so that no push lands later than that (`scaleout.ps.staleness`). Every
+run draws `staleness.png` from its push records.
+
 Steps are global: one step is one minibatch on any replica, and `train.steps` /
 `train.epochs` count them over all replicas (an epoch is one pass over the whole training
 set). Warm start: only replica 0 trains until `warmstart_steps` steps are done. Buffers
@@ -42,11 +49,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from scaleout.data import num_batches
 from scaleout.errors import ConfigError, UserError
 from scaleout.metrics import truncate_metrics
-from scaleout.nn.optim import check_elementwise, is_factory
+from scaleout.nn.optim import is_factory
 from scaleout.progress import console
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share
 from scaleout.strategies.downpour import DownpourSection
+from scaleout.strategies.downpour.checks import check_asynchrony, check_replica_steps
 from scaleout.strategies.downpour.failures import ReplicaFailures
 from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
@@ -54,7 +62,6 @@ from scaleout.strategies.downpour.replicas import Replica, placement
 from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT, plot_staleness
 from scaleout.strategies.model_parallel import (
     ModelParallelSection,
-    check_grid_steps,
     check_partitionable,
 )
 from scaleout.strategies.worker import chunk_of
@@ -63,57 +70,6 @@ from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 from scaleout.train.step import schedule_for
 
 CHUNK_STEPS = 20  # most steps handed to a replica at once
-
-
-def check_replica_steps(job: Job, grid: bool) -> None:
-    """What a Downpour step can be, one line each otherwise: the shards step the optimizer
-    on flat slices (element-wise only); a replica pushes gradients and steps no optimizer
-    of its own, so fp16's loss scaling (a GradScaler steps an optimizer) has no place; a
-    grid replica's gradient is in parts, whose global norm is not clipped here."""
-    check_elementwise(job.optimizer_options())
-    if job.run.precision == "fp16":
-        raise ConfigError(
-            'run.precision = "fp16" with train.strategy = "downpour": a replica pushes its '
-            "gradient and has no optimizer for fp16's loss scaling to step; use "
-            'run.precision = "bf16", which needs none'
-        )
-    if grid:
-        check_grid_steps(job)
-
-
-def check_asynchrony(opts: DownpourSection, grid: bool) -> None:
-    """What DiLoCo and bounded staleness need, one line each otherwise: both fetch after
-    their own push is applied (no fetch and push threads), DiLoCo once per push, bounded
-    staleness at least once; neither runs on a model-parallel grid, whose workers fetch
-    and push in step."""
-    wanted = []
-    if opts.mode == "diloco":
-        wanted.append('downpour.mode = "diloco"')
-        if opts.n_fetch != opts.n_push:
-            raise ConfigError(
-                'downpour.mode = "diloco" pushes after n_push inner steps and fetches the '
-                f"result: set downpour.n_fetch = downpour.n_push (now {opts.n_fetch} and "
-                f"{opts.n_push})"
-            )
-    if opts.max_staleness is not None:
-        wanted.append(f"downpour.max_staleness = {opts.max_staleness}")
-        if opts.n_fetch > opts.n_push:
-            raise ConfigError(
-                f"downpour.max_staleness bounds each push from its window's fetch: set "
-                f"downpour.n_fetch <= downpour.n_push (now {opts.n_fetch} and {opts.n_push})"
-            )
-    if not wanted:
-        return
-    if opts.threads is True:
-        raise ConfigError(
-            f"{' and '.join(wanted)} fetch after their own push is applied: set "
-            "downpour.threads = false"
-        )
-    if grid:
-        raise ConfigError(
-            f"{' and '.join(wanted)} need replicas of one worker: a model-parallel grid's "
-            "workers fetch and push in step; set model_parallel.grid = [1, 1]"
-        )
 
 
 class Downpour(ReplicaFailures):

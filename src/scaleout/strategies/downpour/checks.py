@@ -1,0 +1,60 @@
+"""What a Downpour run can be, checked before anything starts: one line each otherwise."""
+
+from __future__ import annotations
+
+from scaleout.errors import ConfigError
+from scaleout.nn.optim import check_elementwise
+from scaleout.strategies.downpour import DownpourSection
+from scaleout.strategies.model_parallel import check_grid_steps
+from scaleout.train.job import Job
+
+
+def check_replica_steps(job: Job, grid: bool) -> None:
+    """What a Downpour step can be, one line each otherwise: the shards step the optimizer
+    on flat slices (element-wise only); a replica pushes gradients and steps no optimizer
+    of its own, so fp16's loss scaling (a GradScaler steps an optimizer) has no place; a
+    grid replica's gradient is in parts, whose global norm is not clipped here."""
+    check_elementwise(job.optimizer_options())
+    if job.run.precision == "fp16":
+        raise ConfigError(
+            'run.precision = "fp16" with train.strategy = "downpour": a replica pushes its '
+            "gradient and has no optimizer for fp16's loss scaling to step; use "
+            'run.precision = "bf16", which needs none'
+        )
+    if grid:
+        check_grid_steps(job)
+
+
+def check_asynchrony(opts: DownpourSection, grid: bool) -> None:
+    """What DiLoCo and bounded staleness need, one line each otherwise: both fetch after
+    their own push is applied (no fetch and push threads), DiLoCo once per push, bounded
+    staleness at least once; neither runs on a model-parallel grid, whose workers fetch
+    and push in step."""
+    wanted = []
+    if opts.mode == "diloco":
+        wanted.append('downpour.mode = "diloco"')
+        if opts.n_fetch != opts.n_push:
+            raise ConfigError(
+                'downpour.mode = "diloco" pushes after n_push inner steps and fetches the '
+                f"result: set downpour.n_fetch = downpour.n_push (now {opts.n_fetch} and "
+                f"{opts.n_push})"
+            )
+    if opts.max_staleness is not None:
+        wanted.append(f"downpour.max_staleness = {opts.max_staleness}")
+        if opts.n_fetch > opts.n_push:
+            raise ConfigError(
+                f"downpour.max_staleness bounds each push from its window's fetch: set "
+                f"downpour.n_fetch <= downpour.n_push (now {opts.n_fetch} and {opts.n_push})"
+            )
+    if not wanted:
+        return
+    if opts.threads is True:
+        raise ConfigError(
+            f"{' and '.join(wanted)} fetch after their own push is applied: set "
+            "downpour.threads = false"
+        )
+    if grid:
+        raise ConfigError(
+            f"{' and '.join(wanted)} need replicas of one worker: a model-parallel grid's "
+            "workers fetch and push in step; set model_parallel.grid = [1, 1]"
+        )
