@@ -40,6 +40,7 @@ def plot_staleness(pushes: Path, out: Path) -> Path | None:
         rule_ax.hist(scales, bins=20, range=(0.0, 1.0), alpha=0.6, label=label)
         waits = [1000 * r.get("wait_s", 0.0) for r in mine]
         wait_ax.hist(waits, bins=20, alpha=0.6, label=label)
+    stale_ax.set_xticks(range(0, top + 1, max(1, (top + 1) // 10)))  # whole updates
     stale_ax.set_xlabel("staleness (shard updates since the fetch)")
     rule_ax.set_xlabel("factor on the step by the staleness rule (1: untouched)")
     wait_ax.set_xlabel("wait for the staleness bound (ms)")
