@@ -217,6 +217,7 @@ def test_bad_asynchrony_settings_are_one_line(tmp_path, overrides, message):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.slow
 def test_dc_and_gap_rules_train(ray_session, tmp_path):
     for rule in ("dc", "gap"):
         path = write_config(tmp_path, rule, warmstart=0, steps=100, eval_every=100)
