@@ -145,11 +145,10 @@ class ReplicaClient:
         self.bounded, self.owner = bounded, owner
         self.mode, self.outer_scale = mode, outer_scale
         if mode == "diloco":
-            threads = False
             for lane in self.lanes:
                 lane.anchor = lane.flat.params.detach().clone()
-        if bounded:
-            threads = False
+        if mode == "diloco" or bounded:
+            threads = False  # "auto" too: both fetch after their own push is applied
         self._window = False  # bounded: this client's window is open (fetched, not pushed)
         self.after_pull, self.before_push, self.after_push = after_pull, before_push, after_push
         self.steps = 0

@@ -14,6 +14,7 @@ SGD. Element-wise, so S shards stepping their slices equal one optimizer over th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -62,21 +63,10 @@ class DelayedNesterov(torch.optim.Optimizer):
 def outer_optimizer(
     kind: str, lr: float, momentum: float, delay: int
 ) -> Callable[[Iterable[Any]], torch.optim.Optimizer]:
-    """The factory of DiLoCo's outer optimizer: "nesterov" (delayed by `delay` pushes, the
-    replicas' count) or "sgd" (plain, no momentum)."""
+    """The factory of DiLoCo's outer optimizer (picklable: shards are Ray actors):
+    "nesterov" (delayed by `delay` pushes, the replicas' count) or "sgd" (plain)."""
     if kind == "sgd":
-        return _Factory(torch.optim.SGD, {"lr": lr})
+        return functools.partial(torch.optim.SGD, lr=lr)
     if kind == "nesterov":
-        return _Factory(DelayedNesterov, {"lr": lr, "momentum": momentum, "delay": delay})
+        return functools.partial(DelayedNesterov, lr=lr, momentum=momentum, delay=delay)
     raise ValueError(f"outer optimizer {kind!r}: use 'nesterov' or 'sgd'")
-
-
-class _Factory:
-    """A picklable factory (shards are Ray actors): the class and its keywords."""
-
-    def __init__(self, cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
-        self.cls, self.options = cls, options
-        self.__qualname__ = cls.__name__
-
-    def __call__(self, params: Iterable[Any]) -> torch.optim.Optimizer:
-        return self.cls(params, **self.options)

@@ -79,7 +79,6 @@ class Staleness:
         self.mean_step = torch.zeros_like(param) if rule.rule == "gap" else None  # C (n,)
         self.updates = 0  # updates the mean step has seen (bias correction)
         self.clamped = 0
-        self._before: torch.Tensor | None = None
 
     def adjust(
         self, grad: torch.Tensor, staleness: int, base_version: int, param: torch.Tensor
@@ -88,8 +87,6 @@ class Staleness:
         `staleness` computed at `base_version` (the shard's slice is `param` now); also the
         mean factor the rule put on the step (1: untouched), for the push's record."""
         rule = self.rule.rule
-        if self.mean_step is not None:
-            self._before = param.detach().clone()
         if rule == "none" or staleness <= 0:
             return grad, 1.0, 1.0
         if rule == "inverse":
@@ -107,12 +104,13 @@ class Staleness:
         return grad / penalty, 1.0, float((1.0 / penalty).mean())
 
     def applied(self, version: int, param: torch.Tensor) -> None:
-        """After the update that made `version`: keep the slice; update the mean step."""
-        if self.mean_step is not None and self._before is not None:
-            step = (param.detach() - self._before).abs_()
+        """After the update that made `version`: update the mean step (from the slice kept
+        at the version before); keep the slice."""
+        if self.mean_step is not None and self.kept:
+            before = next(reversed(self.kept.values()))
+            step = (param.detach() - before).abs_()
             self.mean_step.mul_(GAP_BETA).add_(step, alpha=1.0 - GAP_BETA)
             self.updates += 1
-            self._before = None
         if self.rule.needs_history:
             self.keep(version, param)
 
@@ -169,15 +167,18 @@ class Windows:
         self.open: dict[str, _Window] = {}  # client -> its window
         self.owners: dict[str, str] = {}  # client -> the replica it belongs to
         self.waiting: dict[str, tuple[float, float]] = {}  # refused: first refusal, last ask
-        self.refused = 0
+        self.refused = self.expired = 0
 
     def try_open(self, client: str, owner: str = "", now: float | None = None) -> bool:
         """Open `client`'s window if every open one's push still lands within the bound
         and no client refused before it still waits (first come, first served: a fast
         replica does not starve a slow one); False: wait and ask again."""
         now = time.monotonic() if now is None else now
-        for other in [c for c, w in self.open.items() if now - w.opened > self.expire_s]:
+        for other in [
+            c for c, w in self.open.items() if c != client and now - w.opened > self.expire_s
+        ]:
             self.close(other)  # its replica died or stalled: the driver restarts it
+            self.expired += 1
         for other in [c for c, (_, last) in self.waiting.items() if now - last > WAITER_GONE_S]:
             del self.waiting[other]  # stopped asking: gone
         self.close(client)

@@ -50,15 +50,12 @@ GATE_MAX_PAUSE_S = 0.05  # doubling up to this
 
 
 class Gate:
-    """Shard 0's windows (`Windows`, the library's decision) with their opening times in
-    simulated seconds, for the expiry, and what the gate did."""
+    """Shard 0's windows (`Windows`, the library's decision and expiry, at simulated
+    times) and the calls made to it."""
 
     def __init__(self, bound: int, expire_s: float) -> None:
         self.bound = bound  # in the run's updates
-        self.expire_s = expire_s
-        self.windows = Windows(bound, math.inf)  # expiry is simulated here
-        self.opened: dict[str, float] = {}  # client -> when its window opened (simulated)
-        self.expired = 0
+        self.windows = Windows(bound, expire_s)
         self.calls = 0
 
     def scale(self, weight: float) -> None:
@@ -66,19 +63,11 @@ class Gate:
         self.windows.bound = math.floor(self.bound / weight)
 
     def try_open(self, client: str, now: float) -> bool:
-        """`Windows.try_open` at simulated time `now`, windows open too long closed first."""
-        for other, since in list(self.opened.items()):
-            if other != client and now - since > self.expire_s:
-                self.close(other)
-                self.expired += 1
-        opened = self.windows.try_open(client, client, now=now)
-        if opened:
-            self.opened[client] = now
-        return opened
+        """`Windows.try_open` at simulated time `now`."""
+        return self.windows.try_open(client, client, now=now)
 
     def close(self, client: str) -> None:
         self.windows.close(client)
-        self.opened.pop(client, None)
 
 
 class ReplicaModes:
@@ -216,7 +205,7 @@ class ReplicaModes:
             wait_s_mean=sum(waits) / len(waits) if waits else 0.0,
             wait_s_max=max(waits, default=0.0),
             windows_refused=gate.windows.refused,
-            windows_expired=gate.expired,
+            windows_expired=gate.windows.expired,
             gate_calls=gate.calls,
         )
         return out
