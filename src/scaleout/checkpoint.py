@@ -180,9 +180,10 @@ def load_checkpoint(json_path: Path) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, meta
 
 
-def optimizer_state(
-    optimizer: torch.optim.Optimizer,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+OptimizerState = tuple[dict[str, torch.Tensor], dict[str, Any]]  # tensors, JSON metadata
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> OptimizerState:
     """Split an optimizer's state into tensors (`optim.<param>.<key>`) and JSON metadata."""
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -194,6 +195,14 @@ def optimizer_state(
             else:
                 scalars.setdefault(str(param_id), {})[key] = value
     return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def optimizer_part(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> OptimizerState | None:
+    """The optimizer's part of a checkpoint (as `optimizer_state` gave it), None if it holds
+    no optimizer state."""
+    if "optimizer" not in meta:
+        return None
+    return {k: v for k, v in tensors.items() if k.startswith("optim.")}, meta["optimizer"]
 
 
 def load_optimizer_state(

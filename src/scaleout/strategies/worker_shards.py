@@ -3,11 +3,11 @@
 The strategy asks replica 0 for a phase's starting values (`begin_phase`), starts the
 shards from them, and attaches every replica's workers (`attach`): from then on a
 `ReplicaClient` fetches every `n_fetch` steps and pushes the accumulated gradient every
-`n_push` steps, and the worker has no optimizer of its own (DiLoCo: it steps its own, a
-fresh one at each attach, and pushes the change of its parameters instead). On a
-model-parallel grid, each
-worker keeps its own part on shards of its own; replicated parameters (alpha) are kept by
-rank 0 and broadcast after each fetch, their gradients summed over the grid before a push.
+`n_push` steps, and the worker has no optimizer of its own (DiLoCo: it steps its own,
+built at each attach with the state it is given, and pushes the change of its parameters
+instead). On a model-parallel grid, each worker keeps its own part on shards of its own;
+replicated parameters (alpha) are kept by rank 0 and broadcast after each fetch, their
+gradients summed over the grid before a push.
 At a phase's end every replica pushes what is left (`flush_pushes`), then adopts the final
 values (`adopt_final`).
 """
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
+from scaleout.checkpoint import OptimizerState, load_optimizer_state, optimizer_state
 from scaleout.nn.optim import build_optimizer
 from scaleout.parallel import parts
 from scaleout.train.state import restored
@@ -118,11 +119,13 @@ class OnShards:
         mode: Literal["gradients", "diloco"] = "gradients",
         bounded: bool = False,
         outer_scale: float = 1.0,
+        inner: OptimizerState | None = None,
     ) -> None:
         """Train phase `phase` through `servers` (one per parameter group, None where
         another worker of the grid keeps it). `mode` "diloco": this replica steps
-        `train.optimizer` itself (a fresh one: its state is not kept over a restart) and
-        pushes pseudo-gradients (`ReplicaClient`); `bounded`: the shards bound staleness."""
+        `train.optimizer` itself, from the state `inner` (a checkpoint's or a live
+        replica's, see `inner_state`; fresh if None), and pushes pseudo-gradients
+        (`ReplicaClient`); `bounded`: the shards bound staleness."""
         if self.phase != phase or fresh:
             if fresh:
                 self.epoch, self.batch, self._batches = 0, 0, None
@@ -178,6 +181,15 @@ class OnShards:
         )
         if diloco:  # the inner optimizer, over the parameters' flat views
             self.optimizer = build_optimizer(self.groups, self.job.optimizer_options())
+            if inner is not None:  # a fresh Adagrad or Adam would take a first step far
+                load_optimizer_state(self.optimizer, *inner)  # larger than a trained one's
+
+    def inner_state(self) -> OptimizerState | None:
+        """DiLoCo: this replica's own optimizer state, for a replica that (re)starts
+        (`attach(inner=...)`); None in gradient mode, where the shards hold it."""
+        if self.client is None or self.client.mode != "diloco" or self.optimizer is None:
+            return None
+        return optimizer_state(self.optimizer)
 
     def _after_backward(self, loss: Tensor, compute_s: float) -> None:
         value = loss.item()
@@ -233,6 +245,5 @@ class OnShards:
         self.client.fetch()
         stats = {**self.client.stats, "staleness": list(self.client.staleness)}
         self.client.close()
-        self.client = None
-        self.optimizer = None  # DiLoCo's inner one: the next phase attaches afresh
+        self.client = None  # DiLoCo's optimizer stays, for the run's last checkpoint
         return stats

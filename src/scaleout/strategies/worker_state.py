@@ -1,8 +1,8 @@
 """A worker's checkpoint: the whole replica in strategy "single"'s format.
 
 `state()` gives the model's weights (a grid worker assembles the whole replica's from its
-part, a collective), the optimizer's state (none under Downpour: the shards hold it) and the
-RNG; `restore()` takes such a checkpoint, made under any strategy and grid that trains the
+part, a collective), the optimizer's state (under Downpour only DiLoCo's replicas have one)
+and the RNG; `restore()` takes such a checkpoint, made under any strategy and grid that trains the
 same model, and puts the worker where it stopped.
 """
 
@@ -49,8 +49,8 @@ class WorkerState:
         def _shard_values(self) -> AbstractContextManager[None]: ...
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """The whole replica's weights (assembled over a grid), its optimizer's state (none
-        under Downpour: the shards hold it) and the RNG, in strategy "single"'s format."""
+        """The whole replica's weights (assembled over a grid), its optimizer's state (under
+        Downpour, DiLoCo's inner one only) and the RNG, in strategy "single"'s format."""
         with self._shard_values():
             tensors, meta = model_state(self.model, self.optimizer)
             if self.partitioned:

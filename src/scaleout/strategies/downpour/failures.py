@@ -17,6 +17,7 @@ from scaleout.progress import console
 from scaleout.runtime import START_TIMEOUT_S, describe_failure
 
 if TYPE_CHECKING:
+    from scaleout.checkpoint import OptimizerState
     from scaleout.strategies.downpour import DownpourSection
     from scaleout.strategies.downpour.lanes import Lanes
     from scaleout.strategies.downpour.replicas import Replica
@@ -39,13 +40,16 @@ class ReplicaFailures:
     steps_lost: int
     step: int
     weights: Tensors | None
+    inner: OptimizerState | None
     _plan: Plan | None
     _wall_start: float
 
     if TYPE_CHECKING:  # defined by the strategy
 
         def _spawn(self, replica_id: int) -> Replica: ...
-        def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]: ...
+        def _attach_args(
+            self, replica: Replica, fresh: bool, inner: OptimizerState | None = None
+        ) -> list[tuple[Any, ...]]: ...
 
     def _watch(self) -> None:
         """The watchdog: a replica whose chunk (at most `CHUNK_STEPS` steps) has made no
@@ -100,6 +104,22 @@ class ReplicaFailures:
             if not any(self.alive):
                 raise UserError("every Downpour replica failed; see the messages above")
 
+    def _peer_inner(self, replica_id: int) -> OptimizerState | None:
+        """DiLoCo: the optimizer state a restarted replica starts from: a live replica's (as
+        torchft's recovering replicas take a peer's), else the last checkpoint's."""
+        if self.opts.mode != "diloco":
+            return None
+        for peer, replica in enumerate(self.replicas):
+            if peer == replica_id or not self.alive[peer] or peer in self.starting:
+                continue
+            try:
+                state = replica.call("inner_state", doing="sharing its optimizer state")[0]
+            except (RayActorError, RayTaskError):
+                continue  # its failure is handled where its chunk is waited on
+            if state is not None:
+                return state
+        return self.inner
+
     def _first_alive(self) -> Replica:
         self._settle_starting(wait=True)  # a replica answers once it is attached
         return next(r for r, ok in zip(self.replicas, self.alive, strict=True) if ok)
@@ -142,7 +162,8 @@ class ReplicaFailures:
                 pending = []
                 if self.weights is not None and self._plan is not None and self._plan.phase_steps:
                     pending += replica.submit("load_weights", self.weights, "the layers so far")
-                pending += replica.submit_each("attach", self._attach_args(replica, False))
+                inner = self._peer_inner(replica_id)
+                pending += replica.submit_each("attach", self._attach_args(replica, False, inner))
                 self.starting[replica_id] = pending
                 if wait:
                     replica.get(pending, "attaching to the shards")

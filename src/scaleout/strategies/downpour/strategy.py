@@ -46,6 +46,7 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from scaleout.checkpoint import OptimizerState, optimizer_part
 from scaleout.data import num_batches
 from scaleout.errors import ConfigError, UserError
 from scaleout.metrics import truncate_metrics
@@ -124,6 +125,7 @@ class Downpour(ReplicaFailures):
         self.starting: dict[int, list[Any]] = {}  # restarted replica -> what it waits for
         self.placement: dict[str, list[str]] = {}
         self.weights: Tensors | None = None  # layer-wise: the whole model at the phase's start
+        self.inner: OptimizerState | None = None  # DiLoCo: the replicas' optimizer, last checkpoint
         self.pushes: Pushes | None = None
         self._plan: Plan | None = None
         self.inner_schedule = None
@@ -168,6 +170,13 @@ class Downpour(ReplicaFailures):
         if resume is not None:
             self._restore(resume)
             elapsed = resume.meta["time_s"]
+            if self.opts.mode == "diloco":
+                self.inner = optimizer_part(resume.tensors, resume.meta)
+                if self.inner is None:
+                    console.print(
+                        f"{resume.path.name} holds no replica optimizer state (written with "
+                        f"gradient pushes): the replicas start a fresh {self.job.train.optimizer}"
+                    )
         self._wall_start = time.time() - elapsed
         self.pushes = Pushes(self.run.path / PUSHES_FILE, self._wall_start)
         workers = self.grid.num_workers if self.grid is not None else 1
@@ -256,17 +265,23 @@ class Downpour(ReplicaFailures):
         if self._plan.phase_steps and phase > 0 and fresh:  # for replicas restarted later
             self.weights = self._ask_first_alive("state", doing="starting a phase")[0][0]
         initial = self._ask_first_alive("begin_phase", phase, fresh, doing="starting a phase")
+        if fresh:  # DiLoCo: a new phase's parameters start a fresh optimizer
+            self.inner = None
         phase_start = phase * self._plan.phase_steps if self._plan.phase_steps else 0
         self.lanes.start(phase, initial, self.schedule, 0 if fresh else self.step - phase_start)
         attach = [
-            (r, replica.submit_each("attach", self._attach_args(replica, fresh)))
+            (r, replica.submit_each("attach", self._attach_args(replica, fresh, self.inner)))
             for r, replica in enumerate(self.replicas)
             if self.alive[r]
         ]
         for r, futures in attach:
             self.replicas[r].get(futures, "attaching to the shards")
 
-    def _attach_args(self, replica: Replica, fresh: bool) -> list[tuple[Any, ...]]:
+    def _attach_args(
+        self, replica: Replica, fresh: bool, inner: OptimizerState | None = None
+    ) -> list[tuple[Any, ...]]:
+        """What each of `replica`'s workers attaches with; `inner`: DiLoCo's optimizer state
+        for its replica to start from."""
         opts = self.opts
         bounded = opts.max_staleness is not None
         outer_scale = 1.0 / opts.num_replicas  # DiLoCo: each push 1/R of a round's mean
@@ -281,6 +296,7 @@ class Downpour(ReplicaFailures):
                 opts.mode,
                 bounded,
                 outer_scale,
+                inner,
             )
             for w in range(replica.size)
         ]
@@ -444,6 +460,8 @@ class Downpour(ReplicaFailures):
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         self.lanes.checkpoint()
         tensors, meta = self._ask_first_alive("state", doing="checkpointing")[0]
+        if self.opts.mode == "diloco":  # a replica restarted later starts from it at worst
+            self.inner = optimizer_part(tensors, meta)
         meta.update(
             positions=self.positions,
             restarts=self.restarts,
