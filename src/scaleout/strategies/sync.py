@@ -48,13 +48,42 @@ class SyncSection(Section):
     it. `allreduce`: PyTorch DDP averages gradients every step (with `[compress] codec` as
     its communication hook). `average`: every worker steps on its own slice, then weights
     and optimizer state (momentum) are averaged every `average_every` steps (1: the paper).
+    `fsdp`: each worker holds 1/N of the parameters, gradients and optimizer state
+    (PyTorch's FSDP2, `scaleout.parallel.fsdp`), sharded per module of a class in
+    `fsdp_blocks` (None: per direct child that holds parameters), then the root; the same
+    steps as `allreduce` for a model too big for one worker.
     """
 
     num_workers: PositiveInt = 2
-    mode: Literal["allreduce", "average"] = "allreduce"
+    mode: Literal["allreduce", "average", "fsdp"] = "allreduce"
     average_every: PositiveInt = 1
+    fsdp_blocks: list[str] | None = None  # module class names, e.g. ["GPT2Block"]
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
     timeout_s: TimeoutSeconds = 300.0  # a collective waiting longer than this fails
+
+
+def check_fsdp(job: Job, blocks: list[str] | None) -> None:
+    """Block classes the model has, one line otherwise; and what sharded data parallelism
+    cannot do yet: 8-bit exchanges (FSDP's reduce-scatter and all-gather take no codec
+    here) and fp16's loss scaling."""
+    probe = job.probe
+    if blocks is not None and probe is not None and probe.module_classes:
+        missing = [name for name in blocks if name not in probe.module_classes]
+        if missing:
+            raise ConfigError(
+                f"sync.fsdp_blocks = {blocks}: {', '.join(missing)} match no module of the "
+                f"model; its module classes are {', '.join(sorted(probe.module_classes))}"
+            )
+    if job.compress.codec != "fp32":
+        raise ConfigError(
+            f'compress.codec = "{job.compress.codec}" with sync.mode = "fsdp": FSDP\'s '
+            'exchanges are not compressed yet; use codec "fp32" or sync.mode = "allreduce"'
+        )
+    if job.run.precision == "fp16":
+        raise ConfigError(
+            'run.precision = "fp16" with sync.mode = "fsdp": use "bf16", which needs no loss '
+            "scaling"
+        )
 
 
 class Sync(Lockstep):
@@ -87,6 +116,13 @@ class Sync(Lockstep):
                 f"{probe.train_size} examples, and sync splits every batch over "
                 f"{self.opts.num_workers} workers; use a batch of at most {probe.train_size}"
             )
+        if self.opts.mode == "fsdp":
+            check_fsdp(job, self.opts.fsdp_blocks)
+        elif self.opts.fsdp_blocks is not None:
+            raise ConfigError(
+                f'sync.fsdp_blocks is for sync.mode = "fsdp" (now "{self.opts.mode}"): set the '
+                "mode or drop the blocks"
+            )
         if probe is not None and probe.layerwise:
             raise ConfigError(
                 f'train.strategy = "sync" trains supervised models; model ({job.model.name}) '
@@ -94,11 +130,14 @@ class Sync(Lockstep):
             )
 
     def role_options(self) -> dict[str, Any]:
-        allreduce = self.opts.mode == "allreduce"
+        mode = self.opts.mode
+        blocks = self.opts.fsdp_blocks
         return dict(
             sliced=True,
-            ddp=allreduce,
-            average_every=None if allreduce else self.opts.average_every,
+            ddp=mode == "allreduce",
+            average_every=self.opts.average_every if mode == "average" else None,
+            fsdp=mode == "fsdp",
+            fsdp_blocks=tuple(blocks) if blocks is not None else None,
         )
 
     def make_workers(self, role: Role) -> Workers:
@@ -128,14 +167,20 @@ class Sync(Lockstep):
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         assert self.workers is not None
         self.workers.call("average_now")
-        tensors, meta = self.workers.call("state", ranks=1)[0]
+        sharded = self.opts.mode == "fsdp"  # gathering the shards is a collective
+        tensors, meta = self.workers.call("state", ranks=None if sharded else 1)[0]
         for rank, rng in enumerate(self.workers.call("rng_state")[1:], start=1):
             tensors[f"rng.torch.{rank}"] = rng
         meta.update(num_workers=self.opts.num_workers, mode=self.opts.mode)
         return tensors, meta
 
     def summary(self) -> dict[str, Any]:
-        return {"num_workers": self.opts.num_workers, "mode": self.opts.mode}
+        """The layout, and the parameter and optimizer bytes the fullest worker holds."""
+        held: dict[str, Any] = {}
+        if self.workers is not None:
+            answers = self.workers.call("held_bytes")
+            held = {key: max(a[key] for a in answers) for key in answers[0]}
+        return {"num_workers": self.opts.num_workers, "mode": self.opts.mode, **held}
 
 
 def create(job: Job) -> Sync:

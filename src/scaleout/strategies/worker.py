@@ -42,7 +42,7 @@ from scaleout.data.prefetch import DevicePrefetcher
 from scaleout.errors import UserError
 from scaleout.nn.optim import build_optimizer
 from scaleout.nn.schedule import Schedule
-from scaleout.parallel import average_tensors, parallelize, parts, synced_state
+from scaleout.parallel import average_tensors, fsdp, parallelize, parts, synced_state
 from scaleout.runtime import resolve_device
 from scaleout.strategies.worker_shards import OnShards
 from scaleout.strategies.worker_state import WorkerState
@@ -70,6 +70,8 @@ class Role:
     sliced: bool = False  # sync: slice `rank` of every global batch
     ddp: bool = False  # sync "allreduce": DDP averages gradients during backward
     average_every: int | None = None  # sync "average": average weights + optimizer state
+    fsdp: bool = False  # sync "fsdp": parameters, gradients and optimizer state sharded
+    fsdp_blocks: tuple[str, ...] | None = None  # the module classes sharded one by one
     phase_steps: int | None = None  # lock-step layer-wise training: steps per phase
     schedule: Schedule | None = None  # the learning rate of each step (None: no optimizer)
 
@@ -116,6 +118,7 @@ class Worker(WorkerState, OnShards):
         self.model: nn.Module = model
         self.network: nn.Module = model  # what the forward pass runs: DDP wraps it (`start`)
         self.partitioned = role.grid is not None
+        self.sharded = False  # FSDP applied (`start`): state and evaluation are collectives
         # Downpour replica r > 0 shuffles its own part; worker 0 is strategy "single"
         self.data_seed = seed if role.replica == 0 else derive_seed(seed, role.replica)
         size = len(self.train_set)  # type: ignore[arg-type]
@@ -138,9 +141,18 @@ class Worker(WorkerState, OnShards):
 
     def start(self) -> None:
         """After the process group is formed: the ranks agree on the codec's cost on the
-        link (`OnLink.agree`, a collective); wrap the model in DDP (`role.ddp`)."""
+        link (`OnLink.agree`, a collective); wrap the model in DDP (`role.ddp`), or shard it
+        (`role.fsdp`) and build the optimizer over the shards."""
         if isinstance(self.codec, OnLink) and self.role.world > 1:
             self.codec.agree(buckets=self.role.ddp)
+        if self.role.fsdp and self.role.world > 1:
+            blocks = self.role.fsdp_blocks
+            try:
+                fsdp.shard(self.model, list(blocks) if blocks is not None else None)
+            except ValueError as err:
+                raise UserError(str(err)) from None
+            self.sharded = True
+            self._select_phase(self.phase)  # the optimizer over the sharded parameters
         if self.role.ddp and self.role.world > 1:
             ids = [self.device.index or 0] if self.device.type == "cuda" else None
             self.network = DistributedDataParallel(self.model, device_ids=ids)
@@ -312,8 +324,8 @@ class Worker(WorkerState, OnShards):
         """Test metrics of the current parameters (the shards' under Downpour; the workers'
         average in sync "average" mode); a sliced worker other than rank 0 answers None."""
         with self._shard_values(), self._averaged():
-            if self.role.sliced and self.role.rank > 0:
-                return None
+            if self.role.sliced and self.role.rank > 0 and not self.sharded:
+                return None  # (sharded: every rank's forward gathers the blocks together)
             options = {}
             if self.partitioned:
                 options["reduce"] = lambda values: parts.reduce_parts(self.model, values)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from scaleout.checkpoint import load_optimizer_state, on_cpu_shared_once
 from scaleout.data import derive_seed
 from scaleout.errors import UserError
-from scaleout.parallel import parts
+from scaleout.parallel import fsdp, parts
 from scaleout.train.state import load_model_state, load_model_weights, model_state
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ class WorkerState:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     partitioned: bool
+    sharded: bool
     layerwise: bool
     phase: int
     step: int
@@ -51,6 +52,10 @@ class WorkerState:
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The whole replica's weights (assembled over a grid), its optimizer's state (under
         Downpour, DiLoCo's inner one only) and the RNG, in strategy "single"'s format."""
+        if self.sharded:  # a collective: rank 0 gets the whole state, the others nothing
+            tensors, meta = fsdp.full_state(self.model, self.optimizer)
+            tensors["rng.torch"] = torch.get_rng_state()
+            return on_cpu_shared_once(tensors), meta
         with self._shard_values():
             tensors, meta = model_state(self.model, self.optimizer)
             if self.partitioned:
@@ -77,6 +82,11 @@ class WorkerState:
         assert self.optimizer is not None
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def held_bytes(self) -> dict[str, int]:
+        """The parameter and optimizer-state bytes this worker holds (its shards under
+        FSDP)."""
+        return fsdp.held_bytes(self.model, self.optimizer)
+
     def rng_state(self) -> Tensor:
         return torch.get_rng_state()
 
@@ -90,7 +100,10 @@ class WorkerState:
         self.epoch, self.batch = divmod(within, self.batches_per_epoch)
         self._batches = None
         rank_rng = f"rng.torch.{self.role.rank}"
-        if not self.partitioned:
+        if self.sharded:
+            fsdp.load_full_state(self.model, self.optimizer, tensors, meta, source)
+            torch.set_rng_state(tensors["rng.torch"])
+        elif not self.partitioned:
             load_model_state(self.model, self.optimizer, tensors, meta, source)
         else:
             self._restore_parts(tensors, meta, source)

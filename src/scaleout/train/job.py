@@ -95,6 +95,7 @@ class Probe:
     num_phases: int = 1
     partitionable: bool = False  # `scaleout.parallel.parallelize` can split it over a grid
     num_parameters: int = 0  # trainable values
+    module_classes: frozenset[str] = frozenset()  # the class names of the model's modules
 
 
 @dataclass
@@ -203,7 +204,8 @@ def probe_job(job: Job) -> Probe:
     num_phases = model.num_phases if layerwise else 1
     partitionable = can_parallelize(model)
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    job.probe = Probe(len(train_set), layerwise, num_phases, partitionable, count)  # type: ignore[arg-type]
+    classes = frozenset(type(m).__name__ for m in model.modules())
+    job.probe = Probe(len(train_set), layerwise, num_phases, partitionable, count, classes)  # type: ignore[arg-type]
     _probe_metrics(job, layerwise, train_set, test_set)
     return job.probe
 

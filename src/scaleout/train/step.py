@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from scaleout.errors import ConfigError
@@ -101,7 +103,8 @@ def micro_batches(batch: Sequence[Tensor], parts: int) -> list[tuple[list[Tensor
 def clip_gradients(params: Iterable[Tensor], max_norm: float) -> Tensor:
     """Clip the gradients of `params` to global L2 norm `max_norm` in place, as
     `torch.nn.utils.clip_grad_norm_` does; return the norm before clipping."""
-    return nn.utils.clip_grad_norm_(list(params), max_norm)
+    norm = nn.utils.clip_grad_norm_(list(params), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: the global norm
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -138,7 +141,10 @@ class Stepper:
         loss_total: Tensor | None = None
         sums: dict[str, Tensor] = {}
         for i, (part, weight) in enumerate(parts):
-            hold = isinstance(network, DistributedDataParallel) and i < len(parts) - 1
+            hold = i < len(parts) - 1  # no gradient exchange until the last micro-batch
+            if isinstance(network, FSDPModule):
+                network.set_requires_gradient_sync(not hold)
+            hold = hold and isinstance(network, DistributedDataParallel)
             with network.no_sync() if hold else nullcontext():  # type: ignore[operator]
                 with self.autocast():
                     loss, part_sums = objective.step(model, network, part, phase)
