@@ -158,28 +158,25 @@ def load_full_state(
         )
     values, info = part
     names = _names(model, optimizer)
+    saved = info["param_groups"]
+    counts = [len(g["params"]) for g in saved], [len(g["params"]) for g in optimizer.param_groups]
+    if counts[0] != counts[1]:
+        raise CheckpointError(
+            f"checkpoint {source}'s optimizer holds {counts[0]} parameters per group, this "
+            f"one {counts[1]}: resume with the model and optimizer that wrote it"
+        )
     state: dict[str, dict[str, Any]] = {}
     for key, value in values.items():
         _, index, field = key.split(".", 2)
         state.setdefault(names[int(index)], {})[field] = value
     for index, fields in info["scalars"].items():
         state.setdefault(names[int(index)], {}).update(fields)
-    saved = info["param_groups"]
-    if len(saved) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"checkpoint {source}'s optimizer has {len(saved)} parameter groups, this one "
-            f"{len(optimizer.param_groups)}"
-        )
-    position = {
-        id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
-    }
-    current = [  # the groups as they are: their settings are loaded below, as torch does
-        {
-            **{k: v for k, v in g.items() if k != "params"},
-            "params": [names[position[id(p)]] for p in g["params"]],
-        }
-        for g in optimizer.param_groups
-    ]
+    current: list[dict[str, Any]] = []  # the groups as they are: settings are loaded below
+    start = 0
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        current.append({**settings, "params": names[start : start + len(group["params"])]})
+        start += len(group["params"])
     try:
         set_optimizer_state_dict(
             model, optimizer, {"state": state, "param_groups": current}, options=_options()

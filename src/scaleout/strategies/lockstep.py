@@ -94,7 +94,8 @@ class Lockstep:
 
     def evaluate(self) -> dict[str, float]:
         assert self.workers is not None
-        return self.workers.call("evaluate")[0]
+        # the first worker that measured: rank 0, or a pipeline's last stage
+        return next(m for m in self.workers.call("evaluate") if m is not None)
 
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         assert self.workers is not None

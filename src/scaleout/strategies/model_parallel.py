@@ -26,6 +26,7 @@ from pydantic import Field, PositiveInt
 from scaleout.config import Section, TimeoutSeconds
 from scaleout.errors import ConfigError
 from scaleout.parallel import PARTITIONABLE, parallelize
+from scaleout.parallel.stages import split
 from scaleout.strategies.group import ActorWorkers
 from scaleout.strategies.lockstep import Lockstep, Workers
 from scaleout.strategies.worker import Role
@@ -36,13 +37,22 @@ class ModelParallelSection(Section):
     """Model parallelism over a grid of workers (`scaleout.parallel.parallelize`)."""
 
     grid: Annotated[list[PositiveInt], Field(min_length=2, max_length=2)] = [1, 1]  # [px, py]
+    # pipeline stages (`scaleout.parallel.stages`): an nn.Sequential, or a module listing its
+    # parts in `pipeline_split`, cut into this many contiguous stages, one per worker
+    stages: PositiveInt = 1
+    microbatches: PositiveInt | None = None  # per step through the stages; None: 2 x stages
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
     transport: Literal["all_to_all", "p2p"] = "all_to_all"
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
     timeout_s: TimeoutSeconds = 300.0  # a collective waiting longer than this fails
 
     @property
     def num_workers(self) -> int:
-        return self.grid[0] * self.grid[1]
+        return self.grid[0] * self.grid[1] * self.stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else 2 * self.stages
 
 
 def check_partitionable(job: Job, strategy: str, grid: list[int]) -> None:
@@ -87,19 +97,63 @@ def check_grid_steps(job: Job) -> None:
         )
 
 
+def check_pipeline(job: Job, opts: ModelParallelSection) -> None:
+    """What pipeline stages train, one line each otherwise: a supervised model that cuts
+    into `stages` parts (tried on the driver, on PyTorch's meta device), micro-batches
+    that divide the batch; not yet with a grid, accumulation, clipping or fp16."""
+    train = job.train
+    refusals = [
+        (opts.grid != [1, 1], f"model_parallel.grid = {opts.grid}: set it to [1, 1]"),
+        (train.accumulate_steps > 1, "train.accumulate_steps: use model_parallel.microbatches"),
+        (train.grad_clip_norm is not None, "train.grad_clip_norm: leave it out (not yet)"),
+        (job.run.precision == "fp16", 'run.precision = "fp16": use "bf16"'),
+    ]
+    for refused, fix in refusals:
+        if refused:
+            raise ConfigError(f"model_parallel.stages = {opts.stages} with {fix}")
+    if train.batch_size % opts.num_microbatches:
+        raise ConfigError(
+            f"model_parallel.microbatches = {opts.num_microbatches} does not divide "
+            f"train.batch_size = {train.batch_size}: make the batch a multiple of it"
+        )
+    probe = job.probe
+    if probe is None:
+        return
+    if probe.layerwise:
+        raise ConfigError(
+            f"model_parallel.stages = {opts.stages}: model ({job.model.name}) trains "
+            "layer-wise; pipeline stages train a supervised model (use model_parallel.grid)"
+        )
+    with torch.device("meta"):
+        model = job.model.build()
+    try:
+        split(model, opts.stages)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 class ModelParallel(Lockstep):
     name = "model_parallel"
 
     def __init__(self, job: Job) -> None:
         super().__init__(job)
         self.opts = job.section("model_parallel", ModelParallelSection)
+        if self.opts.stages > 1:
+            check_pipeline(job, self.opts)
+            return
         check_partitionable(job, self.name, self.opts.grid)
         if self.opts.num_workers > 1:
             check_grid_steps(job)
 
     def role_options(self) -> dict[str, Any]:
-        grid = self.opts.grid
-        return dict(grid=(grid[0], grid[1]), transport=self.opts.transport)
+        opts = self.opts
+        if opts.stages > 1:
+            return dict(
+                stages=opts.stages,
+                microbatches=opts.num_microbatches,
+                pipeline_schedule=opts.schedule,
+            )
+        return dict(grid=(opts.grid[0], opts.grid[1]), transport=opts.transport)
 
     def make_workers(self, role: Role) -> Workers:
         return ActorWorkers(
@@ -113,6 +167,8 @@ class ModelParallel(Lockstep):
         )
 
     def summary(self) -> dict[str, Any]:
+        if self.opts.stages > 1:
+            return {"stages": self.opts.stages, "microbatches": self.opts.num_microbatches}
         return {"grid": list(self.opts.grid)}
 
 

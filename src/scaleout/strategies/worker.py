@@ -42,12 +42,13 @@ from scaleout.data.prefetch import DevicePrefetcher
 from scaleout.errors import UserError
 from scaleout.nn.optim import build_optimizer
 from scaleout.nn.schedule import Schedule
-from scaleout.parallel import average_tensors, fsdp, parallelize, parts, synced_state
+from scaleout.parallel import average_tensors, fsdp, parallelize, parts, stages, synced_state
+from scaleout.parallel.pipeline import PipelineRunner, Relayed
 from scaleout.runtime import resolve_device
 from scaleout.strategies.worker_shards import OnShards
 from scaleout.strategies.worker_state import WorkerState
 from scaleout.train.job import Job
-from scaleout.train.objective import Layerwise, objective_for
+from scaleout.train.objective import Layerwise, Supervised, objective_for
 from scaleout.train.protocol import Chunk
 from scaleout.train.state import restored
 from scaleout.train.step import Stepper
@@ -72,6 +73,9 @@ class Role:
     average_every: int | None = None  # sync "average": average weights + optimizer state
     fsdp: bool = False  # sync "fsdp": parameters, gradients and optimizer state sharded
     fsdp_blocks: tuple[str, ...] | None = None  # the module classes sharded one by one
+    stages: int = 1  # model parallel: pipeline stages, this worker's is stage `rank`
+    microbatches: int = 1  # per step, through the stages
+    pipeline_schedule: str = "1f1b"  # "gpipe" | "1f1b"
     phase_steps: int | None = None  # lock-step layer-wise training: steps per phase
     schedule: Schedule | None = None  # the learning rate of each step (None: no optimizer)
 
@@ -113,12 +117,21 @@ class Worker(WorkerState, OnShards):
         # the codec of the exchanges and of DDP's buckets; on a `compress.link`, one that
         # sends raw what is faster raw, once the ranks agreed on its cost (`start`)
         self.codec = job.compress.build_for_collectives()
+        self.stage_index: list[int] = []  # pipeline: the stage's parameters in the model's order
+        if role.stages > 1:  # this worker keeps its stage of the model
+            try:
+                stage = stages.stage_module(model, stages.split(model, role.stages)[role.rank])
+            except ValueError as err:
+                raise UserError(str(err)) from None
+            self.stage_index = stages.trainable_index(model, stage)
+            model = stage
         if role.grid is not None:
             model = parallelize(model, role.grid, role.rank, None, role.transport, self.codec)  # type: ignore[arg-type]
         self.model: nn.Module = model
         self.network: nn.Module = model  # what the forward pass runs: DDP wraps it (`start`)
         self.partitioned = role.grid is not None
         self.sharded = False  # FSDP applied (`start`): state and evaluation are collectives
+        self.pipelined = role.stages > 1  # state and evaluation are collectives too
         # Downpour replica r > 0 shuffles its own part; worker 0 is strategy "single"
         self.data_seed = seed if role.replica == 0 else derive_seed(seed, role.replica)
         size = len(self.train_set)  # type: ignore[arg-type]
@@ -145,6 +158,17 @@ class Worker(WorkerState, OnShards):
         (`role.fsdp`) and build the optimizer over the shards."""
         if isinstance(self.codec, OnLink) and self.role.world > 1:
             self.codec.agree(buckets=self.role.ddp)
+        if self.pipelined:
+            assert isinstance(self.model, stages.Stage) and isinstance(self.objective, Supervised)
+            self.network = PipelineRunner(  # type: ignore[assignment]
+                self.model,
+                self.role.rank,
+                self.role.world,
+                self.role.microbatches,
+                self.role.pipeline_schedule,  # type: ignore[arg-type]
+                self.objective.loss,
+                self.device,
+            )
         if self.role.fsdp and self.role.world > 1:
             blocks = self.role.fsdp_blocks
             try:
@@ -323,6 +347,8 @@ class Worker(WorkerState, OnShards):
     def evaluate(self) -> dict[str, float] | None:
         """Test metrics of the current parameters (the shards' under Downpour; the workers'
         average in sync "average" mode); a sliced worker other than rank 0 answers None."""
+        if self.pipelined:
+            return self._evaluate_pipelined()
         with self._shard_values(), self._averaged():
             if self.role.sliced and self.role.rank > 0 and not self.sharded:
                 return None  # (sharded: every rank's forward gathers the blocks together)
@@ -338,6 +364,26 @@ class Worker(WorkerState, OnShards):
                     self._evaluated_phase(),
                     **options,
                 )
+
+    def _evaluate_pipelined(self) -> dict[str, float] | None:
+        """Every stage relays the test batches' activations on; the last one measures the
+        outputs and answers, the others answer None."""
+        runner = self.network
+        assert isinstance(runner, PipelineRunner)
+        with self.stepper.autocast():
+            if runner.last:
+                return self.objective.evaluate(
+                    Relayed(runner), self.test_set, self.cfg.eval_batch_size, self.device
+                )
+            was_training = self.model.training
+            self.model.eval()
+            dtype = next(self.model.parameters()).dtype
+            loader = make_loader(self.test_set, self.cfg.eval_batch_size, shuffle=False)
+            for batch in loader:
+                x = torch.as_tensor(batch[0]).to(self.device)
+                runner.relay(x.to(dtype) if x.is_floating_point() else x)
+            self.model.train(was_training)
+        return None
 
     @contextmanager
     def _averaged(self) -> Iterator[None]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from scaleout.checkpoint import load_optimizer_state, on_cpu_shared_once
 from scaleout.data import derive_seed
 from scaleout.errors import UserError
-from scaleout.parallel import fsdp, parts
+from scaleout.parallel import fsdp, parts, stages
 from scaleout.train.state import load_model_state, load_model_weights, model_state
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class WorkerState:
     optimizer: torch.optim.Optimizer | None
     partitioned: bool
     sharded: bool
+    pipelined: bool
+    stage_index: list[int]
     layerwise: bool
     phase: int
     step: int
@@ -52,6 +55,8 @@ class WorkerState:
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The whole replica's weights (assembled over a grid), its optimizer's state (under
         Downpour, DiLoCo's inner one only) and the RNG, in strategy "single"'s format."""
+        if self.pipelined:  # a collective: rank 0 gathers every stage's part
+            return self._gathered_stages()
         if self.sharded:  # a collective: rank 0 gets the whole state, the others nothing
             tensors, meta = fsdp.full_state(self.model, self.optimizer)
             tensors["rng.torch"] = torch.get_rng_state()
@@ -63,6 +68,22 @@ class WorkerState:
         if self.layerwise:
             meta["stack"] = self.phase
         return on_cpu_shared_once(tensors), meta
+
+    def _gathered_stages(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The whole model's state, assembled on rank 0 from every stage's part (the other
+        ranks get empty dicts)."""
+        assert isinstance(self.model, stages.Stage) and self.optimizer is not None
+        tensors, meta = stages.stage_state(self.model, self.optimizer, self.stage_index)
+        mine = (on_cpu_shared_once(tensors), meta, torch.get_rng_state())
+        parts: list[Any] | None = [None] * self.role.world if self.role.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if parts is None:
+            return {}, {}
+        whole, whole_meta = stages.merge_stage_states([(t, m) for t, m, _ in parts])
+        whole["rng.torch"] = parts[0][2]  # each stage's own dropout stream: rank r's as
+        for rank, (_, _, rng) in enumerate(parts[1:], start=1):  # rng.torch.<r>
+            whole[f"rng.torch.{rank}"] = rng
+        return whole, whole_meta
 
     def _gathered(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """A grid worker's state as the whole replica's: its filters (and their optimizer
@@ -100,7 +121,13 @@ class WorkerState:
         self.epoch, self.batch = divmod(within, self.batches_per_epoch)
         self._batches = None
         rank_rng = f"rng.torch.{self.role.rank}"
-        if self.sharded:
+        if self.pipelined:
+            assert isinstance(self.model, stages.Stage) and self.optimizer is not None
+            stages.load_stage_state(
+                self.model, self.optimizer, self.stage_index, tensors, meta, source
+            )
+            torch.set_rng_state(tensors.get(rank_rng, tensors["rng.torch"]))
+        elif self.sharded:
             fsdp.load_full_state(self.model, self.optimizer, tensors, meta, source)
             torch.set_rng_state(tensors["rng.torch"])
         elif not self.partitioned:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -36,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scaleout.errors import ConfigError
 from scaleout.nn.optim import build_optimizer, warmup_steps
 from scaleout.nn.schedule import Schedule, apply_lr
+from scaleout.parallel.pipeline import PipelineRunner
 from scaleout.runtime import resolve_device
 from scaleout.train.config import Precision, TrainSection
 from scaleout.train.job import Job
@@ -137,6 +139,8 @@ class Stepper:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward and backward over the step's micro-batches: the gradients add up in
         `.grad`; return the batch's loss (detached) and its per-example sums."""
+        if isinstance(network, PipelineRunner):
+            return self._pipelined(objective, model, network, batch, phase)
         parts = micro_batches(batch, self.train.accumulate_steps)
         loss_total: Tensor | None = None
         sums: dict[str, Tensor] = {}
@@ -156,6 +160,31 @@ class Stepper:
                 sums[name] = sums[name] + value if name in sums else value
         assert loss_total is not None, "an empty batch"
         return loss_total, sums
+
+    def _pipelined(
+        self,
+        objective: Objective,
+        model: nn.Module,
+        runner: PipelineRunner,
+        batch: Sequence[Tensor],
+        phase: int,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward and backward through the pipeline's stages (its schedule cuts the batch
+        into micro-batches); the last stage measures the merged output with the objective,
+        and every stage gets its sums."""
+        x, y = batch[0], batch[1]
+        with self.autocast():
+            out = runner.train_step(x, y)
+        sums: dict[str, Tensor] = {}
+        if runner.last:
+            assert out is not None
+            with torch.no_grad(), self.autocast():
+                _, sums = objective.step(model, lambda _: out, batch, phase)  # type: ignore[arg-type]
+            sums = {k: v.cpu() for k, v in sums.items()}
+        shared: list[Any] = [sums]
+        dist.broadcast_object_list(shared, src=runner.world - 1)
+        sums = {k: v.to(self.device) for k, v in shared[0].items()}
+        return sums["loss"] / len(y), sums
 
     def step(self, optimizer: torch.optim.Optimizer, global_step: int) -> Tensor | None:
         """Unscale, clip, set the learning rate of `global_step`, step; return the gradient

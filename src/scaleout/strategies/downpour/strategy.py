@@ -81,6 +81,11 @@ class Downpour(ReplicaFailures):
         self.job, self.cfg = job, job.train
         self.opts = job.section("downpour", DownpourSection)
         grid = job.section("model_parallel", ModelParallelSection)
+        if grid.stages > 1:
+            raise ConfigError(
+                f"model_parallel.stages = {grid.stages} with Downpour: replicas of pipeline "
+                'stages are not built yet; use train.strategy = "model_parallel" or 1 stage'
+            )
         self.grid = grid if grid.num_workers > 1 else None
         if self.grid is not None:
             check_partitionable(job, self.name, grid.grid)

@@ -1,0 +1,120 @@
+"""Pipeline stages (`model_parallel.stages`): a user's nn.Sequential CNN cut into 2 stages on
+2 workers takes strategy single's steps under GPipe and 1F1B (single with the same
+micro-batches accumulated: BatchNorm sees the same examples), checkpoints in single's format
+that resume in one process, and one line for what cannot be cut."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import scaleout  # noqa: E402
+from scaleout.api import prepare  # noqa: E402
+from scaleout.checkpoint import load_checkpoint  # noqa: E402
+from scaleout.errors import ConfigError  # noqa: E402
+from scaleout.rundir import RunDir  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _in_the_repository(monkeypatch):
+    monkeypatch.chdir(REPO)  # Ray's workers import `examples` from the working directory
+
+
+def cnn_config(tmp_path: Path, name: str, strategy: str, steps: int = 60) -> dict:
+    return {
+        "run": {
+            "name": name,
+            "seed": 0,
+            "device": "cpu",
+            "num_threads": 1,
+            "out_dir": str(tmp_path),
+        },
+        "model": {"factory": "examples.fashion_cnn:build_model", "kwargs": {"width": 8}},
+        "data": {"factory": "examples.fashion_cnn:build_data"},
+        "train": {
+            "strategy": strategy,
+            "steps": steps,
+            "batch_size": 32,
+            "optimizer": "adam",
+            "lr": 0.001,
+            "eval_every": 30,
+            "eval_batch_size": 500,
+            "log_every": 10,
+            "checkpoint_every": 30,
+        },
+        "model_parallel": {"stages": 2, "microbatches": 4},
+    }
+
+
+def fit(config: dict, *overrides: str, resume: bool = False):
+    return scaleout.fit(config, overrides=list(overrides), resume=resume, overwrite=not resume)
+
+
+def final(result) -> dict[str, torch.Tensor]:
+    return load_checkpoint(RunDir(result.run_dir).checkpoints.latest())[0]
+
+
+def assert_close_states(a: dict, b: dict) -> None:
+    names = [k for k in b if k.startswith(("model.", "optim."))]
+    assert names and set(names) <= set(a)
+    for name in names:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_take_single_steps(ray_session, tmp_path, schedule):
+    """60 steps of Adam; BatchNorm's running statistics and Dropout's masks included (the
+    dropout's stage draws its masks in single's order)."""
+    single = fit(cnn_config(tmp_path, "single", "single"), "train.accumulate_steps=4")
+    piped = fit(
+        cnn_config(tmp_path, schedule, "model_parallel"), f'model_parallel.schedule="{schedule}"'
+    )
+    assert piped.summary["stages"] == 2
+    assert_close_states(final(piped), final(single))
+    assert abs(piped.final_test_accuracy - single.final_test_accuracy) < 1e-3
+
+
+def test_a_pipeline_resumes_exactly_and_its_checkpoint_in_one_process(ray_session, tmp_path):
+    """Stopped at step 30 and resumed: the steps of the run that was not stopped (each
+    stage's dropout stream is in the checkpoint). The same checkpoint resumes in one
+    process too (single's format; its dropout masks then differ)."""
+    whole = fit(cnn_config(tmp_path, "whole", "model_parallel"))
+    config = cnn_config(tmp_path, "halves", "model_parallel", steps=30)
+    fit(config)
+    resumed = fit(config, "train.steps=60", resume=True)
+    assert resumed.step == 60
+    assert_close_states(final(resumed), final(whole))
+    config["run"]["name"] = "in_one"
+    fit(config)
+    single = fit(
+        config, "train.strategy=single", "train.accumulate_steps=4", "train.steps=60", resume=True
+    )
+    assert single.step == 60 and single.final_test_accuracy > 0.7
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model_parallel.stages=20"], "has 13 parts to cut between"),
+        (["model_parallel.microbatches=5"], "does not divide train.batch_size = 32"),
+        (["model_parallel.grid=[2, 1]"], "set it to [1, 1]"),
+        (["train.accumulate_steps=2"], "use model_parallel.microbatches"),
+        (['model.factory="examples.char_lm:build_model"'], "give an nn.Sequential"),
+    ],
+)
+def test_what_a_pipeline_cannot_train_is_one_line(tmp_path, overrides, message):
+    config = cnn_config(tmp_path, "bad", "model_parallel")
+    if any("char_lm" in o for o in overrides):
+        config["model"]["kwargs"] = {}
+        config["data"] = {"factory": "examples.char_lm:build_data"}
+    with pytest.raises(
+        ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")
+    ) as caught:
+        prepare(config, overrides=overrides)
+    assert "\n" not in str(caught.value)
