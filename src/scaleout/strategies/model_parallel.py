@@ -27,6 +27,7 @@ from scaleout.config import Section, TimeoutSeconds
 from scaleout.errors import ConfigError
 from scaleout.parallel import PARTITIONABLE, parallelize
 from scaleout.parallel.stages import split
+from scaleout.parallel.tensor import check_plan
 from scaleout.strategies.group import ActorWorkers
 from scaleout.strategies.lockstep import Lockstep, Workers
 from scaleout.strategies.worker import Role
@@ -42,13 +43,17 @@ class ModelParallelSection(Section):
     stages: PositiveInt = 1
     microbatches: PositiveInt | None = None  # per step through the stages; None: 2 x stages
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    # tensor-parallel Linear layers (`scaleout.parallel.tensor`) over this many workers: each
+    # named layer "colwise" (output features split) or "rowwise" (input features split)
+    tensor: PositiveInt = 1
+    tensor_plan: dict[str, Literal["colwise", "rowwise"]] = {}
     transport: Literal["all_to_all", "p2p"] = "all_to_all"
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
     timeout_s: TimeoutSeconds = 300.0  # a collective waiting longer than this fails
 
     @property
     def num_workers(self) -> int:
-        return self.grid[0] * self.grid[1] * self.stages
+        return self.grid[0] * self.grid[1] * self.stages * self.tensor
 
     @property
     def num_microbatches(self) -> int:
@@ -132,6 +137,36 @@ def check_pipeline(job: Job, opts: ModelParallelSection) -> None:
         raise ConfigError(str(err)) from None
 
 
+def check_tensor(job: Job, opts: ModelParallelSection) -> None:
+    """What tensor-parallel layers train, one line each otherwise: a plan whose paths name
+    the model's Linear layers (tried on the driver, on PyTorch's meta device); not with a
+    grid, stages, fp16 or compressed exchanges."""
+    refusals = [
+        (opts.grid != [1, 1], f"model_parallel.grid = {opts.grid}: set it to [1, 1]"),
+        (opts.stages > 1, f"model_parallel.stages = {opts.stages}: use one of the two"),
+        (job.train.grad_clip_norm is not None, "train.grad_clip_norm: leave it out (not yet)"),
+        (job.run.precision == "fp16", 'run.precision = "fp16": use "bf16"'),
+        (job.compress.codec != "fp32", f'compress.codec = "{job.compress.codec}": use "fp32"'),
+    ]
+    for refused, fix in refusals:
+        if refused:
+            raise ConfigError(f"model_parallel.tensor = {opts.tensor} with {fix}")
+    probe = job.probe
+    if probe is None:
+        return
+    if probe.layerwise:
+        raise ConfigError(
+            f"model_parallel.tensor = {opts.tensor}: model ({job.model.name}) trains "
+            "layer-wise; tensor-parallel layers train a supervised model"
+        )
+    with torch.device("meta"):
+        model = job.model.build()
+    try:
+        check_plan(model, dict(opts.tensor_plan))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 class ModelParallel(Lockstep):
     name = "model_parallel"
 
@@ -141,12 +176,17 @@ class ModelParallel(Lockstep):
         if self.opts.stages > 1:
             check_pipeline(job, self.opts)
             return
+        if self.opts.tensor > 1:
+            check_tensor(job, self.opts)
+            return
         check_partitionable(job, self.name, self.opts.grid)
         if self.opts.num_workers > 1:
             check_grid_steps(job)
 
     def role_options(self) -> dict[str, Any]:
         opts = self.opts
+        if opts.tensor > 1:
+            return dict(tensor_plan=tuple(opts.tensor_plan.items()))
         if opts.stages > 1:
             return dict(
                 stages=opts.stages,
@@ -167,6 +207,11 @@ class ModelParallel(Lockstep):
         )
 
     def summary(self) -> dict[str, Any]:
+        if self.opts.tensor > 1:
+            assert self.workers is not None
+            answers = self.workers.call("held_bytes")
+            held = {key: max(a[key] for a in answers) for key in answers[0]}
+            return {"tensor": self.opts.tensor, **held}
         if self.opts.stages > 1:
             return {"stages": self.opts.stages, "microbatches": self.opts.num_microbatches}
         return {"grid": list(self.opts.grid)}

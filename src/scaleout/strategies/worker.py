@@ -42,7 +42,15 @@ from scaleout.data.prefetch import DevicePrefetcher
 from scaleout.errors import UserError
 from scaleout.nn.optim import build_optimizer
 from scaleout.nn.schedule import Schedule
-from scaleout.parallel import average_tensors, fsdp, parallelize, parts, stages, synced_state
+from scaleout.parallel import (
+    average_tensors,
+    fsdp,
+    parallelize,
+    parts,
+    stages,
+    synced_state,
+    tensor,
+)
 from scaleout.parallel.pipeline import PipelineRunner, Relayed
 from scaleout.runtime import resolve_device
 from scaleout.strategies.worker_shards import OnShards
@@ -76,6 +84,7 @@ class Role:
     stages: int = 1  # model parallel: pipeline stages, this worker's is stage `rank`
     microbatches: int = 1  # per step, through the stages
     pipeline_schedule: str = "1f1b"  # "gpipe" | "1f1b"
+    tensor_plan: tuple[tuple[str, str], ...] = ()  # model parallel: Linear path -> style
     phase_steps: int | None = None  # lock-step layer-wise training: steps per phase
     schedule: Schedule | None = None  # the learning rate of each step (None: no optimizer)
 
@@ -169,6 +178,10 @@ class Worker(WorkerState, OnShards):
                 self.objective.loss,
                 self.device,
             )
+        if self.role.tensor_plan and self.role.world > 1:
+            tensor.tensor_parallel(self.model, dict(self.role.tensor_plan), self.device)
+            self.sharded = True  # DTensor weights: state and evaluation as under FSDP
+            self._select_phase(self.phase)  # the optimizer over the split parameters
         if self.role.fsdp and self.role.world > 1:
             blocks = self.role.fsdp_blocks
             try:
