@@ -207,14 +207,16 @@ class ModelParallel(Lockstep):
         )
 
     def summary(self) -> dict[str, Any]:
-        if self.opts.tensor > 1:
-            assert self.workers is not None
-            answers = self.workers.call("held_bytes")
-            held = {key: max(a[key] for a in answers) for key in answers[0]}
-            return {"tensor": self.opts.tensor, **held}
-        if self.opts.stages > 1:
-            return {"stages": self.opts.stages, "microbatches": self.opts.num_microbatches}
-        return {"grid": list(self.opts.grid)}
+        """The layout; with stages or split layers, the bytes the fullest worker holds."""
+        opts = self.opts
+        if opts.tensor == 1 and opts.stages == 1:
+            return {"grid": list(opts.grid)}
+        assert self.workers is not None
+        answers = self.workers.call("held_bytes")
+        held = {key: max(a[key] for a in answers) for key in answers[0]}
+        if opts.tensor > 1:
+            return {"tensor": opts.tensor, **held}
+        return {"stages": opts.stages, "microbatches": opts.num_microbatches, **held}
 
 
 def create(job: Job) -> ModelParallel:
