@@ -1,7 +1,8 @@
 """Pipeline stages (`model_parallel.stages`): a user's nn.Sequential CNN cut into 2 stages on
 2 workers takes strategy single's steps under GPipe and 1F1B (single with the same
 micro-batches accumulated: BatchNorm sees the same examples), checkpoints in single's format
-that resume in one process, and one line for what cannot be cut."""
+that resume in one process, clipping to the whole model's norm, and one line for what cannot
+be cut."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def cnn_config(tmp_path: Path, name: str, strategy: str, steps: int = 60) -> dic
             "batch_size": 32,
             "optimizer": "adam",
             "lr": 0.001,
+            "grad_clip_norm": 0.5,  # the whole model's norm: the stages add their squares
             "eval_every": 30,
             "eval_batch_size": 500,
             "log_every": 10,

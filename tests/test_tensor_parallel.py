@@ -67,6 +67,7 @@ def config(tmp_path: Path, name: str, strategy: str, lm: bool) -> dict:
             "batch_size": 32,
             "optimizer": "adamw",
             "lr": 0.003,
+            "grad_clip_norm": 0.5,  # split weights count whole in the norm
             "eval_every": 15,
             "log_every": 5,
             "checkpoint_every": 15,

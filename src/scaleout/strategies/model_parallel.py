@@ -105,12 +105,11 @@ def check_grid_steps(job: Job) -> None:
 def check_pipeline(job: Job, opts: ModelParallelSection) -> None:
     """What pipeline stages train, one line each otherwise: a supervised model that cuts
     into `stages` parts (tried on the driver, on PyTorch's meta device), micro-batches
-    that divide the batch; not yet with a grid, accumulation, clipping or fp16."""
+    that divide the batch; not yet with a grid, accumulation or fp16."""
     train = job.train
     refusals = [
         (opts.grid != [1, 1], f"model_parallel.grid = {opts.grid}: set it to [1, 1]"),
         (train.accumulate_steps > 1, "train.accumulate_steps: use model_parallel.microbatches"),
-        (train.grad_clip_norm is not None, "train.grad_clip_norm: leave it out (not yet)"),
         (job.run.precision == "fp16", 'run.precision = "fp16": use "bf16"'),
     ]
     for refused, fix in refusals:
@@ -144,7 +143,6 @@ def check_tensor(job: Job, opts: ModelParallelSection) -> None:
     refusals = [
         (opts.grid != [1, 1], f"model_parallel.grid = {opts.grid}: set it to [1, 1]"),
         (opts.stages > 1, f"model_parallel.stages = {opts.stages}: use one of the two"),
-        (job.train.grad_clip_norm is not None, "train.grad_clip_norm: leave it out (not yet)"),
         (job.run.precision == "fp16", 'run.precision = "fp16": use "bf16"'),
         (job.compress.codec != "fp32", f'compress.codec = "{job.compress.codec}": use "fp32"'),
     ]

@@ -169,6 +169,7 @@ class Worker(WorkerState, OnShards):
             self.codec.agree(buckets=self.role.ddp)
         if self.pipelined:
             assert isinstance(self.model, stages.Stage) and isinstance(self.objective, Supervised)
+            self.stepper.over_stages = True
             self.network = PipelineRunner(  # type: ignore[assignment]
                 self.model,
                 self.role.rank,

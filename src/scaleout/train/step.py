@@ -102,11 +102,28 @@ def micro_batches(batch: Sequence[Tensor], parts: int) -> list[tuple[list[Tensor
 
 
 @torch.no_grad()
-def clip_gradients(params: Iterable[Tensor], max_norm: float) -> Tensor:
+def clip_gradients(params: Iterable[Tensor], max_norm: float, over_stages: bool = False) -> Tensor:
     """Clip the gradients of `params` to global L2 norm `max_norm` in place, as
-    `torch.nn.utils.clip_grad_norm_` does; return the norm before clipping."""
-    norm = nn.utils.clip_grad_norm_(list(params), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP: the global norm
+    `torch.nn.utils.clip_grad_norm_` does; return the norm before clipping. Split weights
+    (DTensors) count whole; `over_stages`: the other pipeline stages' gradients count too
+    (each rank holds its stage's, an all-reduce of the squares)."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    split = [isinstance(g, DTensor) for g in grads]
+    if not over_stages and (all(split) or not any(split)):  # torch's own, one kind of tensor
+        norm = nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    if over_stages:
+        dist.all_reduce(squares)
+    total = squares.sqrt()
+    scale = float((max_norm / (total + 1e-6)).clamp(max=1.0))
+    for grad in grads:
+        grad.mul_(scale)
+    return total
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -121,6 +138,7 @@ class Stepper:
     precision: Precision
     device: torch.device
     schedule: Schedule = field(default_factory=Schedule)
+    over_stages: bool = False  # pipeline stages: the gradient's norm is the whole model's
 
     def __post_init__(self) -> None:
         check_precision(self.precision, self.device)
@@ -193,7 +211,9 @@ class Stepper:
             self.scaler.unscale_(optimizer)
         norm = None
         if self.train.grad_clip_norm is not None:
-            norm = clip_gradients(optimizer_params(optimizer), self.train.grad_clip_norm)
+            norm = clip_gradients(
+                optimizer_params(optimizer), self.train.grad_clip_norm, self.over_stages
+            )
         apply_lr(optimizer, self.schedule, global_step)
         if self.scaler is not None:
             self.scaler.step(optimizer)
