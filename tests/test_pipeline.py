@@ -69,7 +69,7 @@ def assert_close_states(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_two_stages_take_single_steps(ray_session, tmp_path, schedule):
     """60 steps of Adam; BatchNorm's running statistics and Dropout's masks included (the
     dropout's stage draws its masks in single's order)."""
@@ -82,6 +82,7 @@ def test_two_stages_take_single_steps(ray_session, tmp_path, schedule):
     assert abs(piped.final_test_accuracy - single.final_test_accuracy) < 1e-3
 
 
+@pytest.mark.slow
 def test_a_pipeline_resumes_exactly_and_its_checkpoint_in_one_process(ray_session, tmp_path):
     """Stopped at step 30 and resumed: the steps of the run that was not stopped (each
     stage's dropout stream is in the checkpoint). The same checkpoint resumes in one

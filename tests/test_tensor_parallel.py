@@ -80,7 +80,9 @@ def final(result) -> dict[str, torch.Tensor]:
     return load_checkpoint(RunDir(result.run_dir).checkpoints.latest())[0]
 
 
-@pytest.mark.parametrize("lm", [False, True], ids=["mlp", "attention"])
+@pytest.mark.parametrize(
+    "lm", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["mlp", "attention"]
+)
 def test_split_layers_take_single_steps(ray_session, tmp_path, lm):
     runs = {}
     for strategy in ("single", "model_parallel"):
