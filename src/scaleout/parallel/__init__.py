@@ -1,6 +1,9 @@
 """Parallelism applied to a model from outside: spatial model parallelism (`parallelize`,
 with the layers' partitioned forms in `spatial` and what a worker does with its part in
-`parts`) and the data-parallel primitives (`average_tensors`, `synced_state`).
+`parts`), the data-parallel primitives (`average_tensors`, `synced_state`), and for a model
+too big for one worker PyTorch's own forms: sharded data parallelism (`fsdp`), pipeline
+stages (`stages` cuts a model, `pipeline` runs a stage) and tensor-parallel Linear layers
+(`tensor`).
 
 The model code in `scaleout.nn` has no communication; `parallelize` swaps a model's layers
 for this worker's part of them, with the distributed-array exchanges inside, where a layer
