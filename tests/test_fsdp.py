@@ -112,3 +112,14 @@ def test_hugging_face_gpt2_under_fsdp_takes_allreduces_steps(ray_session, tmp_pa
     assert abs(runs["fsdp"].final_test_loss - loss) < 1e-3 * loss
     for key in ("parameter_bytes", "optimizer_bytes"):
         assert runs["fsdp"].summary[key] <= 0.55 * runs["allreduce"].summary[key], key
+
+
+@pytest.mark.slow
+def test_fsdp_under_bf16_autocast_takes_allreduces_steps(ray_session, tmp_path):
+    losses = {}
+    for mode in ("allreduce", "fsdp"):
+        config = lm_config(tmp_path, f"bf16_{mode}", "sync")
+        config["sync"]["mode"] = mode
+        config["run"]["precision"] = "bf16"
+        losses[mode] = fit(config).final_test_loss
+    assert abs(losses["fsdp"] - losses["allreduce"]) < 1e-3 * losses["allreduce"]
