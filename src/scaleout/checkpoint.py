@@ -205,6 +205,19 @@ def optimizer_part(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Op
     return {k: v for k, v in tensors.items() if k.startswith("optim.")}, meta["optimizer"]
 
 
+def required_optimizer_part(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any], source: str
+) -> OptimizerState:
+    """`optimizer_part`, or a `CheckpointError` naming `source` when it holds none."""
+    part = optimizer_part(tensors, meta)
+    if part is None:
+        raise CheckpointError(
+            f"checkpoint {source} holds no optimizer state (it was written by a strategy "
+            "whose optimizer lives on parameter-server shards); resume it with that strategy"
+        )
+    return part
+
+
 def load_optimizer_state(
     optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
 ) -> None:

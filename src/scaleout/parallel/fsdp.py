@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from scaleout.checkpoint import CheckpointError, optimizer_part
+from scaleout.checkpoint import CheckpointError, required_optimizer_part
 
 __all__ = ["FSDPModule", "blocks_of", "full_state", "held_bytes", "load_full_state", "shard"]
 
@@ -150,13 +150,7 @@ def load_full_state(
         ) from None
     if optimizer is None:
         return
-    part = optimizer_part(tensors, meta)
-    if part is None:
-        raise CheckpointError(
-            f"checkpoint {source} holds no optimizer state (it was written by a strategy "
-            "whose optimizer lives on parameter-server shards); resume it with that strategy"
-        )
-    values, info = part
+    values, info = required_optimizer_part(tensors, meta, source)
     names = _names(model, optimizer)
     saved = info["param_groups"]
     counts = [len(g["params"]) for g in saved], [len(g["params"]) for g in optimizer.param_groups]

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from scaleout.checkpoint import (
     CheckpointError,
     load_optimizer_state,
-    optimizer_part,
     optimizer_state,
+    required_optimizer_part,
 )
 
 __all__ = [
@@ -206,13 +206,7 @@ def load_stage_state(
         raise CheckpointError(
             f"checkpoint {source} does not fit the configured model: {str(err).splitlines()[0]}"
         ) from None
-    part = optimizer_part(tensors, meta)
-    if part is None:
-        raise CheckpointError(
-            f"checkpoint {source} holds no optimizer state (it was written by a strategy "
-            "whose optimizer lives on parameter-server shards); resume it with that strategy"
-        )
-    values, info = part
+    values, info = required_optimizer_part(tensors, meta, source)
     local_of = {global_: local for local, global_ in enumerate(index)}
     local_values = {}
     for name, value in values.items():

@@ -97,6 +97,12 @@ class Lockstep:
         # the first worker that measured: rank 0, or a pipeline's last stage
         return next(m for m in self.workers.call("evaluate") if m is not None)
 
+    def held_bytes(self) -> dict[str, int]:
+        """The parameter and optimizer-state bytes the fullest worker holds, per kind."""
+        assert self.workers is not None
+        answers = self.workers.call("held_bytes")
+        return {key: max(a[key] for a in answers) for key in answers[0]}
+
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         assert self.workers is not None
         return self.workers.call("state")[0]

@@ -18,10 +18,12 @@ has more than one worker.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field, PositiveInt
+from torch import nn
 
 from scaleout.config import Section, TimeoutSeconds
 from scaleout.errors import ConfigError
@@ -120,20 +122,12 @@ def check_pipeline(job: Job, opts: ModelParallelSection) -> None:
             f"model_parallel.microbatches = {opts.num_microbatches} does not divide "
             f"train.batch_size = {train.batch_size}: make the batch a multiple of it"
         )
-    probe = job.probe
-    if probe is None:
-        return
-    if probe.layerwise:
-        raise ConfigError(
-            f"model_parallel.stages = {opts.stages}: model ({job.model.name}) trains "
-            "layer-wise; pipeline stages train a supervised model (use model_parallel.grid)"
-        )
-    with torch.device("meta"):
-        model = job.model.build()
-    try:
-        split(model, opts.stages)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    _try_on_meta(
+        job,
+        f"model_parallel.stages = {opts.stages}",
+        "pipeline stages train a supervised model (use model_parallel.grid)",
+        lambda model: split(model, opts.stages),
+    )
 
 
 def check_tensor(job: Job, opts: ModelParallelSection) -> None:
@@ -149,18 +143,28 @@ def check_tensor(job: Job, opts: ModelParallelSection) -> None:
     for refused, fix in refusals:
         if refused:
             raise ConfigError(f"model_parallel.tensor = {opts.tensor} with {fix}")
+    _try_on_meta(
+        job,
+        f"model_parallel.tensor = {opts.tensor}",
+        "tensor-parallel layers train a supervised model",
+        lambda model: check_plan(model, dict(opts.tensor_plan)),
+    )
+
+
+def _try_on_meta(
+    job: Job, setting: str, supervised: str, apply: Callable[[nn.Module], Any]
+) -> None:
+    """`apply` the setting to the model built on PyTorch's meta device (shapes only): its
+    ValueError is one line; a layer-wise model is refused with `supervised`, the reason."""
     probe = job.probe
     if probe is None:
         return
     if probe.layerwise:
-        raise ConfigError(
-            f"model_parallel.tensor = {opts.tensor}: model ({job.model.name}) trains "
-            "layer-wise; tensor-parallel layers train a supervised model"
-        )
+        raise ConfigError(f"{setting}: model ({job.model.name}) trains layer-wise; {supervised}")
     with torch.device("meta"):
         model = job.model.build()
     try:
-        check_plan(model, dict(opts.tensor_plan))
+        apply(model)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -209,9 +213,7 @@ class ModelParallel(Lockstep):
         opts = self.opts
         if opts.tensor == 1 and opts.stages == 1:
             return {"grid": list(opts.grid)}
-        assert self.workers is not None
-        answers = self.workers.call("held_bytes")
-        held = {key: max(a[key] for a in answers) for key in answers[0]}
+        held = self.held_bytes()
         if opts.tensor > 1:
             return {"tensor": opts.tensor, **held}
         return {"stages": opts.stages, "microbatches": opts.num_microbatches, **held}

@@ -176,10 +176,7 @@ class Sync(Lockstep):
 
     def summary(self) -> dict[str, Any]:
         """The layout, and the parameter and optimizer bytes the fullest worker holds."""
-        held: dict[str, Any] = {}
-        if self.workers is not None:
-            answers = self.workers.call("held_bytes")
-            held = {key: max(a[key] for a in answers) for key in answers[0]}
+        held = self.held_bytes() if self.workers is not None else {}
         return {"num_workers": self.opts.num_workers, "mode": self.opts.mode, **held}
 
 

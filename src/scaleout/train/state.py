@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaleout.checkpoint import load_optimizer_state, optimizer_state
+from scaleout.checkpoint import load_optimizer_state, optimizer_state, required_optimizer_part
 from scaleout.errors import CheckpointError
 
 
@@ -59,12 +59,8 @@ def load_model_state(
     """Inverse of `model_state`."""
     load_model_weights(model, tensors, source)
     if optimizer is not None:
-        if "optimizer" not in meta:
-            raise CheckpointError(
-                f"checkpoint {source} holds no optimizer state (it was written by a strategy "
-                "whose optimizer lives on parameter-server shards); resume it with that strategy"
-            )
-        load_optimizer_state(optimizer, tensors, meta["optimizer"])
+        values, info = required_optimizer_part(tensors, meta, source)
+        load_optimizer_state(optimizer, values, info)
     if "rng.torch" in tensors:
         torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
