@@ -2,10 +2,12 @@
 2 workers takes strategy single's steps under GPipe and 1F1B (single with the same
 micro-batches accumulated: BatchNorm sees the same examples), checkpoints in single's format
 that resume in one process, clipping to the whole model's norm, and one line for what cannot
-be cut."""
+be cut. Under sync, 2 pipelines of 2 stages take the steps of 2 DDP workers (each with the
+same micro-batches accumulated) and reach single's accuracy."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -62,6 +64,11 @@ def final(result) -> dict[str, torch.Tensor]:
     return load_checkpoint(RunDir(result.run_dir).checkpoints.latest())[0]
 
 
+def examples_trained(result) -> int:
+    lines = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])["examples"]
+
+
 def assert_close_states(a: dict, b: dict) -> None:
     names = [k for k in b if k.startswith(("model.", "optim."))]
     assert names and set(names) <= set(a)
@@ -101,6 +108,35 @@ def test_a_pipeline_resumes_exactly_and_its_checkpoint_in_one_process(ray_sessio
     assert single.step == 60 and single.final_test_accuracy > 0.7
 
 
+@pytest.mark.slow
+def test_two_pipelines_of_two_stages_take_the_steps_of_two_ddp_workers(ray_session, tmp_path):
+    """sync with 2 workers x 2 stages: pipeline k trains slice k of each batch, its stages'
+    gradients averaged over the pipelines, clipped to the whole model's norm. DDP's workers
+    draw the same dropout masks from the same streams and keep rank 0's BatchNorm
+    statistics, as the first pipeline does; both reach single's test accuracy."""
+    steps = 100
+    piped = fit(
+        cnn_config(tmp_path, "pipelines", "sync", steps),
+        "sync.num_workers=2",
+        "train.eval_every=50",
+    )
+    ddp = fit(
+        cnn_config(tmp_path, "ddp", "sync", steps),
+        "model_parallel.stages=1",
+        "train.accumulate_steps=4",
+        "train.eval_every=50",
+    )
+    single = fit(cnn_config(tmp_path, "single", "single", steps), "train.eval_every=50")
+    assert piped.summary["stages"] == 2 and piped.summary["num_workers"] == 2
+    assert_close_states(final(piped), final(ddp))
+    assert examples_trained(piped) == examples_trained(ddp) == steps * 32
+    assert abs(piped.final_test_accuracy - ddp.final_test_accuracy) < 2e-3
+    assert piped.final_test_accuracy > single.final_test_accuracy - 0.02, (
+        piped.final_test_accuracy,
+        single.final_test_accuracy,
+    )
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -109,10 +145,17 @@ def test_a_pipeline_resumes_exactly_and_its_checkpoint_in_one_process(ray_sessio
         (["model_parallel.grid=[2, 1]"], "set it to [1, 1]"),
         (["train.accumulate_steps=2"], "use model_parallel.microbatches"),
         (['model.factory="examples.char_lm:build_model"'], "give an nn.Sequential"),
+        (
+            ["sync.num_workers=2", "model_parallel.microbatches=32"],
+            "train.batch_size = 32 over 2 pipelines: make the batch a multiple of 64",
+        ),
+        (['sync.mode="average"'], 'under sync with sync.mode = "average": use "allreduce"'),
+        (["sync.num_workers=2", "model_parallel.tensor=2"], "model_parallel.tensor are for"),
     ],
 )
 def test_what_a_pipeline_cannot_train_is_one_line(tmp_path, overrides, message):
-    config = cnn_config(tmp_path, "bad", "model_parallel")
+    strategy = "sync" if any(o.startswith("sync.") for o in overrides) else "model_parallel"
+    config = cnn_config(tmp_path, "bad", strategy)
     if any("char_lm" in o for o in overrides):
         config["model"]["kwargs"] = {}
         config["data"] = {"factory": "examples.char_lm:build_data"}

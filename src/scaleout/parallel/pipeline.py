@@ -1,14 +1,19 @@
 """A pipeline stage's worker side: the step of `torch.distributed.pipelining`'s schedules
 (GPipe, 1F1B) over micro-batches, and an evaluation that relays activations stage to stage.
 
-    runner = PipelineRunner(stage, rank, world, microbatches=4, schedule="1f1b", loss=loss)
+    stages_group, replicas_group = pipeline_groups(world, stages=2, device=device)
+    runner = PipelineRunner(stage, stages_group, microbatches=4, schedule="1f1b", loss=loss,
+                            device=device)
     out = runner.train_step(x, y)           # forward + backward; the merged output (N, ...)
                                             # on the last stage, None on the others
     relayed = runner.relay(x)               # one forward for evaluation, no gradients
 
-Every stage reads the same batch (the first uses x, the last y). The schedule scales each
-micro-batch's loss by 1/microbatches, so the gradient is the whole batch's mean, as one
-process computes it. Why torch's schedules: they are the ones torchtitan runs.
+Every stage of a pipeline reads the same batch (the first uses x, the last y). The schedule
+scales each micro-batch's loss by 1/microbatches, so the gradient is the whole batch's mean,
+as one process computes it. Several pipelines train data-parallel: rank r is stage
+r % stages of pipeline r // stages, and each stage averages its gradient with the same
+stage of the other pipelines (`replicas_group`). Why torch's schedules and device mesh: they
+are the ones torchtitan runs.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from scaleout.parallel.data_parallel import average_tensors
 
 ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -27,22 +35,44 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 9  # dtype, ndim, then up to 7 sizes
 
 
+def pipeline_groups(
+    world: int, stages: int, device: torch.device
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """This rank's pipeline (its `stages` ranks in stage order) and the ranks that hold its
+    stage in the other pipelines (None for one pipeline), of `world // stages` pipelines
+    side by side: rank r is stage r % stages of pipeline r // stages. A collective: every
+    rank calls it."""
+    assert world % stages == 0, f"{world} ranks do not make pipelines of {stages} stages"
+    if world == stages:
+        return dist.group.WORLD, None  # type: ignore[return-value]
+    mesh = init_device_mesh(device.type, (world // stages, stages), mesh_dim_names=("dp", "pp"))
+    return mesh.get_group("pp"), mesh.get_group("dp")
+
+
+def average_gradients(module: nn.Module, replicas: dist.ProcessGroup | None) -> None:
+    """Average `module`'s gradients over the same stage of every pipeline (`replicas`), so
+    that the pipelines step as one; nothing for one pipeline."""
+    if replicas is not None:
+        average_tensors([p.grad for p in module.parameters() if p.grad is not None], replicas)
+
+
 class PipelineRunner:
-    """Stage `rank` of `world` (its module `stage`) under schedule `schedule`."""
+    """This rank's stage (its module `stage`) of the pipeline `group` (the stage's index is
+    the rank in it) under schedule `schedule`."""
 
     def __init__(
         self,
         stage: nn.Module,
-        rank: int,
-        world: int,
+        group: dist.ProcessGroup,
         microbatches: int,
         schedule: ScheduleName,
         loss: Callable[[Tensor, Tensor], Tensor],
         device: torch.device,
     ) -> None:
-        self.stage, self.rank, self.world, self.device = stage, rank, world, device
-        self.first, self.last = rank == 0, rank == world - 1
-        pipe = PipelineStage(stage, rank, world, device)
+        self.stage, self.group, self.device = stage, group, device
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.first, self.last = self.rank == 0, self.rank == self.world - 1
+        pipe = PipelineStage(stage, self.rank, self.world, device, group=group)
         self.schedule = SCHEDULES[schedule](pipe, microbatches, loss_fn=loss)
         self.microbatches = microbatches
         self._inferred = False  # the first step infers the stages' shapes with a forward
@@ -96,16 +126,16 @@ class PipelineRunner:
         header = torch.zeros(_HEADER, dtype=torch.long)
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-        dist.send(header.to(self.device), self.rank + 1)
-        dist.send(tensor.contiguous(), self.rank + 1)
+        dist.send(header.to(self.device), group=self.group, group_dst=self.rank + 1)
+        dist.send(tensor.contiguous(), group=self.group, group_dst=self.rank + 1)
 
     def _receive(self) -> Tensor:
         header = torch.zeros(_HEADER, dtype=torch.long, device=self.device)
-        dist.recv(header, self.rank - 1)
+        dist.recv(header, group=self.group, group_src=self.rank - 1)
         header = header.cpu()
         shape = header[2 : 2 + int(header[1])].tolist()
         tensor = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=self.device)
-        dist.recv(tensor, self.rank - 1)
+        dist.recv(tensor, group=self.group, group_src=self.rank - 1)
         return tensor
 
 

@@ -104,10 +104,11 @@ def check_grid_steps(job: Job) -> None:
         )
 
 
-def check_pipeline(job: Job, opts: ModelParallelSection) -> None:
+def check_pipeline(job: Job, opts: ModelParallelSection, pipelines: int = 1) -> None:
     """What pipeline stages train, one line each otherwise: a supervised model that cuts
     into `stages` parts (tried on the driver, on PyTorch's meta device), micro-batches
-    that divide the batch; not yet with a grid, accumulation or fp16."""
+    that divide each of the `pipelines`' slice of the batch; not yet with a grid,
+    accumulation or fp16."""
     train = job.train
     refusals = [
         (opts.grid != [1, 1], f"model_parallel.grid = {opts.grid}: set it to [1, 1]"),
@@ -117,10 +118,12 @@ def check_pipeline(job: Job, opts: ModelParallelSection) -> None:
     for refused, fix in refusals:
         if refused:
             raise ConfigError(f"model_parallel.stages = {opts.stages} with {fix}")
-    if train.batch_size % opts.num_microbatches:
+    if train.batch_size % (opts.num_microbatches * pipelines):
+        each = f" over {pipelines} pipelines" if pipelines > 1 else ""
         raise ConfigError(
             f"model_parallel.microbatches = {opts.num_microbatches} does not divide "
-            f"train.batch_size = {train.batch_size}: make the batch a multiple of it"
+            f"train.batch_size = {train.batch_size}{each}: make the batch a multiple of "
+            f"{opts.num_microbatches * pipelines}"
         )
     _try_on_meta(
         job,

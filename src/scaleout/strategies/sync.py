@@ -20,6 +20,11 @@ Communication schedule per step, by `sync.mode`:
   state (momentum, Adam moments). Evaluation uses the average of the current weights without
   changing the workers; a checkpoint is a synchronisation point (the workers average first).
 
+With `model_parallel.stages = S`, every worker is a pipeline of S stage workers
+(`scaleout.parallel.pipeline`): `num_workers` x S actors, pipeline k training slice k of
+each global batch, and each stage's gradient averaged with the same stage of the other
+pipelines before the step.
+
 Checkpoints hold rank 0's model and optimizer and every rank's RNG state, in strategy
 "single"'s format. Synchronous training cannot go on without a worker: when one dies, the
 run stops with `WorkerDied`, naming the worker and the last checkpoint (`--resume`
@@ -36,6 +41,7 @@ from scaleout.config import Section, TimeoutSeconds
 from scaleout.errors import ConfigError
 from scaleout.strategies.group import ActorWorkers
 from scaleout.strategies.lockstep import Lockstep, Workers
+from scaleout.strategies.model_parallel import ModelParallelSection, check_pipeline
 from scaleout.strategies.worker import Role, chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Tensors
@@ -128,10 +134,41 @@ class Sync(Lockstep):
                 f'train.strategy = "sync" trains supervised models; model ({job.model.name}) '
                 'trains layer-wise: use strategy "single", "model_parallel" or "downpour"'
             )
+        self.pipes = job.section("model_parallel", ModelParallelSection)
+        self.stages = self.pipes.stages
+        if self.pipes.grid != [1, 1] or self.pipes.tensor > 1:
+            raise ConfigError(
+                "model_parallel.grid and model_parallel.tensor are for strategy "
+                '"model_parallel"; under sync each worker may be a pipeline '
+                "(model_parallel.stages): drop them or change the strategy"
+            )
+        if self.stages > 1:
+            self._check_pipelines()
+
+    def _check_pipelines(self) -> None:
+        """Pipelines side by side: what each trains (`check_pipeline`), with gradients
+        averaged in fp32 as DDP's are (not yet compressed, not sharded or averaged every
+        few steps)."""
+        job, stages = self.job, self.stages
+        refusals = [
+            (self.opts.mode != "allreduce", f'sync.mode = "{self.opts.mode}": use "allreduce"'),
+            (job.compress.codec != "fp32", f'compress.codec = "{job.compress.codec}": use "fp32"'),
+        ]
+        for refused, fix in refusals:
+            if refused:
+                raise ConfigError(f"model_parallel.stages = {stages} under sync with {fix}")
+        check_pipeline(job, self.pipes, pipelines=self.opts.num_workers)
 
     def role_options(self) -> dict[str, Any]:
         mode = self.opts.mode
         blocks = self.opts.fsdp_blocks
+        if self.stages > 1:  # pipelines: their gradients averaged stage by stage
+            return dict(
+                sliced=True,
+                stages=self.stages,
+                microbatches=self.pipes.num_microbatches,
+                pipeline_schedule=self.pipes.schedule,
+            )
         return dict(
             sliced=True,
             ddp=mode == "allreduce",
@@ -144,7 +181,7 @@ class Sync(Lockstep):
         return ActorWorkers(
             self.job,
             role,
-            self.opts.num_workers,
+            self.opts.num_workers * self.stages,
             "sync worker",
             self.where,
             self.opts.backend,
@@ -152,7 +189,9 @@ class Sync(Lockstep):
         )
 
     def combine(self, outs: list[dict[str, Any]]) -> Chunk:
-        """Every worker trained its slice: sums add up; the slowest worker's times count."""
+        """Every worker trained its slice: sums add up (a pipeline's stages report the same,
+        its first stage counts); the slowest worker's times count."""
+        outs = outs[:: self.stages]
         chunk = chunk_of(outs[0])
         chunk.examples = sum(o["examples"] for o in outs)
         chunk.loss_sum = sum(o["loss_sum"] for o in outs)
@@ -168,7 +207,8 @@ class Sync(Lockstep):
         assert self.workers is not None
         self.workers.call("average_now")
         sharded = self.opts.mode == "fsdp"  # gathering the shards is a collective
-        tensors, meta = self.workers.call("state", ranks=None if sharded else 1)[0]
+        ranks = None if sharded else self.stages  # (the first pipeline's stages gather)
+        tensors, meta = self.workers.call("state", ranks=ranks)[0]
         for rank, rng in enumerate(self.workers.call("rng_state")[1:], start=1):
             tensors[f"rng.torch.{rank}"] = rng
         meta.update(num_workers=self.opts.num_workers, mode=self.opts.mode)
@@ -177,7 +217,10 @@ class Sync(Lockstep):
     def summary(self) -> dict[str, Any]:
         """The layout, and the parameter and optimizer bytes the fullest worker holds."""
         held = self.held_bytes() if self.workers is not None else {}
-        return {"num_workers": self.opts.num_workers, "mode": self.opts.mode, **held}
+        layout: dict[str, Any] = {"num_workers": self.opts.num_workers, "mode": self.opts.mode}
+        if self.stages > 1:
+            layout.update(stages=self.stages, microbatches=self.pipes.num_microbatches)
+        return {**layout, **held}
 
 
 def create(job: Job) -> Sync:

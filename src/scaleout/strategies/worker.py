@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -51,7 +52,12 @@ from scaleout.parallel import (
     synced_state,
     tensor,
 )
-from scaleout.parallel.pipeline import PipelineRunner, Relayed
+from scaleout.parallel.pipeline import (
+    PipelineRunner,
+    Relayed,
+    average_gradients,
+    pipeline_groups,
+)
 from scaleout.runtime import resolve_device
 from scaleout.strategies.worker_shards import OnShards
 from scaleout.strategies.worker_state import WorkerState
@@ -81,12 +87,26 @@ class Role:
     average_every: int | None = None  # sync "average": average weights + optimizer state
     fsdp: bool = False  # sync "fsdp": parameters, gradients and optimizer state sharded
     fsdp_blocks: tuple[str, ...] | None = None  # the module classes sharded one by one
-    stages: int = 1  # model parallel: pipeline stages, this worker's is stage `rank`
+    stages: int = 1  # pipeline stages: this worker's is `stage` of pipeline `slice`
     microbatches: int = 1  # per step, through the stages
     pipeline_schedule: str = "1f1b"  # "gpipe" | "1f1b"
     tensor_plan: tuple[tuple[str, str], ...] = ()  # model parallel: Linear path -> style
     phase_steps: int | None = None  # lock-step layer-wise training: steps per phase
     schedule: Schedule | None = None  # the learning rate of each step (None: no optimizer)
+
+    @property
+    def stage(self) -> int:
+        """This worker's pipeline stage: rank r is stage r % stages of pipeline r // stages."""
+        return self.rank % self.stages
+
+    @property
+    def slice(self) -> int:
+        """Sync: the slice of every global batch this worker trains on (its pipeline's)."""
+        return self.rank // self.stages
+
+    @property
+    def slices(self) -> int:
+        return self.world // self.stages
 
     def named(self, rank: int, world: int) -> Role:
         """This role for rank `rank` of `world`."""
@@ -129,7 +149,7 @@ class Worker(WorkerState, OnShards):
         self.stage_index: list[int] = []  # pipeline: the stage's parameters in the model's order
         if role.stages > 1:  # this worker keeps its stage of the model
             try:
-                stage = stages.stage_module(model, stages.split(model, role.stages)[role.rank])
+                stage = stages.stage_module(model, stages.split(model, role.stages)[role.stage])
             except ValueError as err:
                 raise UserError(str(err)) from None
             self.stage_index = stages.trainable_index(model, stage)
@@ -141,6 +161,8 @@ class Worker(WorkerState, OnShards):
         self.partitioned = role.grid is not None
         self.sharded = False  # FSDP applied (`start`): state and evaluation are collectives
         self.pipelined = role.stages > 1  # state and evaluation are collectives too
+        self.pipeline: dist.ProcessGroup | None = None  # its stages (`start`)
+        self.replicas: dist.ProcessGroup | None = None  # this stage in the other pipelines
         # Downpour replica r > 0 shuffles its own part; worker 0 is strategy "single"
         self.data_seed = seed if role.replica == 0 else derive_seed(seed, role.replica)
         size = len(self.train_set)  # type: ignore[arg-type]
@@ -154,8 +176,8 @@ class Worker(WorkerState, OnShards):
         self.groups: list[dict[str, Any]] = []
         self.client: ReplicaClient | None = None
         self._select_phase(self.phase)
-        if role.rank > 0 and role.sliced:  # its own dropout stream
-            torch.manual_seed(derive_seed(seed, role.rank))
+        if role.slice > 0 and role.sliced:  # its own dropout stream
+            torch.manual_seed(derive_seed(seed, role.slice))
         elif role.replica > 0 or self.step > 0:
             torch.manual_seed(derive_seed(seed, role.replica, self.step))
         self._batches: Iterator[tuple[Tensor, ...]] | None = None
@@ -169,11 +191,13 @@ class Worker(WorkerState, OnShards):
             self.codec.agree(buckets=self.role.ddp)
         if self.pipelined:
             assert isinstance(self.model, stages.Stage) and isinstance(self.objective, Supervised)
-            self.stepper.over_stages = True
+            self.pipeline, self.replicas = pipeline_groups(
+                self.role.world, self.role.stages, self.device
+            )
+            self.stepper.stages = self.pipeline
             self.network = PipelineRunner(  # type: ignore[assignment]
                 self.model,
-                self.role.rank,
-                self.role.world,
+                self.pipeline,
                 self.role.microbatches,
                 self.role.pipeline_schedule,  # type: ignore[arg-type]
                 self.objective.loss,
@@ -224,8 +248,8 @@ class Worker(WorkerState, OnShards):
             pin_memory=loader_cfg.pins(self.device),
             drop_last=self.drop_last,
             prefetch_factor=loader_cfg.prefetch_factor,
-            part=role.rank if role.sliced else 0,
-            num_parts=role.world if role.sliced else 1,
+            part=role.slice if role.sliced else 0,
+            num_parts=role.slices if role.sliced else 1,
         )
         ahead = loader_cfg.device_prefetch
         return iter(DevicePrefetcher(loader, self.device, ahead, finish=self.finish_batch))
@@ -283,6 +307,8 @@ class Worker(WorkerState, OnShards):
             if self.optimizer is not None:  # a worker's own step (DiLoCo: the inner one)
                 if self.partitioned:
                     parts.sync_grads(self.model)
+                if self.pipelined:
+                    average_gradients(self.model, self.replicas)
                 grad_norm = self.stepper.step(self.optimizer, self._schedule_step())
             if self.client is not None:
                 self._after_backward(loss, time.perf_counter() - computing)
@@ -380,10 +406,13 @@ class Worker(WorkerState, OnShards):
                 )
 
     def _evaluate_pipelined(self) -> dict[str, float] | None:
-        """Every stage relays the test batches' activations on; the last one measures the
-        outputs and answers, the others answer None."""
+        """Every stage of the first pipeline relays the test batches' activations on; its
+        last one measures the outputs and answers, the others answer None (the other
+        pipelines hold the same weights, and wait)."""
         runner = self.network
         assert isinstance(runner, PipelineRunner)
+        if self.role.slice > 0:
+            return None
         with self.stepper.autocast():
             if runner.last:
                 return self.objective.evaluate(

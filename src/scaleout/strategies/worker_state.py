@@ -37,6 +37,7 @@ class WorkerState:
     partitioned: bool
     sharded: bool
     pipelined: bool
+    pipeline: dist.ProcessGroup | None
     stage_index: list[int]
     layerwise: bool
     phase: int
@@ -70,13 +71,15 @@ class WorkerState:
         return on_cpu_shared_once(tensors), meta
 
     def _gathered_stages(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """The whole model's state, assembled on rank 0 from every stage's part (the other
-        ranks get empty dicts)."""
+        """The whole model's state, assembled on the pipeline's first stage from every
+        stage's part (the other stages get empty dicts); pipeline k's stage s is rank
+        k * stages + s, so the first pipeline's RNG states are the ranks' own."""
         assert isinstance(self.model, stages.Stage) and self.optimizer is not None
         tensors, meta = stages.stage_state(self.model, self.optimizer, self.stage_index)
         mine = (on_cpu_shared_once(tensors), meta, torch.get_rng_state())
-        parts: list[Any] | None = [None] * self.role.world if self.role.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
+        first = self.role.stage == 0
+        parts: list[Any] | None = [None] * self.role.stages if first else None
+        dist.gather_object(mine, parts, group=self.pipeline, group_dst=0)
         if parts is None:
             return {}, {}
         whole, whole_meta = stages.merge_stage_states([(t, m) for t, m, _ in parts])
@@ -134,11 +137,11 @@ class WorkerState:
             load_model_state(self.model, self.optimizer, tensors, meta, source)
         else:
             self._restore_parts(tensors, meta, source)
-        if self.role.sliced and self.role.rank > 0:
+        if self.role.sliced and self.role.slice > 0:
             if rank_rng in tensors:
                 torch.set_rng_state(tensors[rank_rng])
             else:
-                torch.manual_seed(derive_seed(self.job.run.seed, self.role.rank, self.step))
+                torch.manual_seed(derive_seed(self.job.run.seed, self.role.slice, self.step))
 
     def _restore_parts(self, tensors: dict[str, Tensor], meta: dict[str, Any], source: str) -> None:
         model = self.model

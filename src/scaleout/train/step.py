@@ -102,23 +102,25 @@ def micro_batches(batch: Sequence[Tensor], parts: int) -> list[tuple[list[Tensor
 
 
 @torch.no_grad()
-def clip_gradients(params: Iterable[Tensor], max_norm: float, over_stages: bool = False) -> Tensor:
+def clip_gradients(
+    params: Iterable[Tensor], max_norm: float, stages: dist.ProcessGroup | None = None
+) -> Tensor:
     """Clip the gradients of `params` to global L2 norm `max_norm` in place, as
     `torch.nn.utils.clip_grad_norm_` does; return the norm before clipping. Split weights
-    (DTensors) count whole; `over_stages`: the other pipeline stages' gradients count too
+    (DTensors) count whole; `stages`: a pipeline whose other stages' gradients count too
     (each rank holds its stage's, an all-reduce of the squares)."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     split = [isinstance(g, DTensor) for g in grads]
-    if not over_stages and (all(split) or not any(split)):  # torch's own, one kind of tensor
+    if stages is None and (all(split) or not any(split)):  # torch's own, one kind of tensor
         norm = nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
     squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     for grad in grads:
         norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
         squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-    if over_stages:
-        dist.all_reduce(squares)
+    if stages is not None:
+        dist.all_reduce(squares, group=stages)
     total = squares.sqrt()
     scale = float((max_norm / (total + 1e-6)).clamp(max=1.0))
     for grad in grads:
@@ -138,7 +140,8 @@ class Stepper:
     precision: Precision
     device: torch.device
     schedule: Schedule = field(default_factory=Schedule)
-    over_stages: bool = False  # pipeline stages: the gradient's norm is the whole model's
+    # a pipeline's stages: the gradient's norm is the whole model's, over this group
+    stages: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         check_precision(self.precision, self.device)
@@ -200,7 +203,7 @@ class Stepper:
                 _, sums = objective.step(model, lambda _: out, batch, phase)  # type: ignore[arg-type]
             sums = {k: v.cpu() for k, v in sums.items()}
         shared: list[Any] = [sums]
-        dist.broadcast_object_list(shared, src=runner.world - 1)
+        dist.broadcast_object_list(shared, group=runner.group, group_src=runner.world - 1)
         sums = {k: v.to(self.device) for k, v in shared[0].items()}
         return sums["loss"] / len(y), sums
 
@@ -212,7 +215,7 @@ class Stepper:
         norm = None
         if self.train.grad_clip_norm is not None:
             norm = clip_gradients(
-                optimizer_params(optimizer), self.train.grad_clip_norm, self.over_stages
+                optimizer_params(optimizer), self.train.grad_clip_norm, self.stages
             )
         apply_lr(optimizer, self.schedule, global_step)
         if self.scaler is not None:
