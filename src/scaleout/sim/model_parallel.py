@@ -67,7 +67,7 @@ from scaleout.sim.sync import (
     ring_send,
 )
 from scaleout.sim.wire import link_codec_speed
-from scaleout.strategies.model_parallel import ModelParallelSection
+from scaleout.strategies.layout import ModelParallelSection
 
 SUM_VALUES = 4  # the objective's two sums, the example count and alpha's gradient
 MATMULS_FORWARD, MATMULS_BACKWARD = 2, 3  # W x, W^T h; then W dL/dr and two weight products

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from scaleout.config import Section
 from scaleout.strategies import downpour, model_parallel, sandblaster, sync
 from scaleout.strategies.downpour import DownpourSection
+from scaleout.strategies.layout import ModelParallelSection
 from scaleout.strategies.lockstep import create_single
-from scaleout.strategies.model_parallel import ModelParallelSection
 from scaleout.strategies.sandblaster import SandblasterSection
 from scaleout.strategies.sync import SyncSection
 from scaleout.train.job import Job

@@ -40,8 +40,8 @@ from pydantic import PositiveInt
 from scaleout.config import Section, TimeoutSeconds
 from scaleout.errors import ConfigError
 from scaleout.strategies.group import ActorWorkers
+from scaleout.strategies.layout import ModelParallelSection, check_pipeline
 from scaleout.strategies.lockstep import Lockstep, Workers
-from scaleout.strategies.model_parallel import ModelParallelSection, check_pipeline
 from scaleout.strategies.worker import Role, chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Tensors

@@ -5,7 +5,7 @@ from __future__ import annotations
 from scaleout.errors import ConfigError
 from scaleout.nn.optim import check_elementwise
 from scaleout.strategies.downpour import DownpourSection
-from scaleout.strategies.model_parallel import check_grid_steps
+from scaleout.strategies.layout import check_grid_steps
 from scaleout.train.job import Job
 
 

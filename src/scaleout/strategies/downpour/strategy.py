@@ -61,7 +61,7 @@ from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica, placement
 from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT, plot_staleness
-from scaleout.strategies.model_parallel import (
+from scaleout.strategies.layout import (
     ModelParallelSection,
     check_partitionable,
 )
