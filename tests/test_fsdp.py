@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_tied_weights import TINY, final, fit, killed_after_first_checkpoint, lm_config
+from torch import nn
 
 from examples.char_lm import CharGPT
 from scaleout.api import prepare
 from scaleout.errors import ConfigError
+from scaleout.parallel import fsdp
 from scaleout.parallel.fsdp import blocks_of
 
 # --- no processes -----------------------------------------------------------------------------
@@ -123,3 +126,28 @@ def test_fsdp_under_bf16_autocast_takes_allreduces_steps(ray_session, tmp_path):
         config["run"]["precision"] = "bf16"
         losses[mode] = fit(config).final_test_loss
     assert abs(losses["fsdp"] - losses["allreduce"]) < 1e-3 * losses["allreduce"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_numels_are_what_fully_shard_gathers(world):
+    """Per unit, the values a rank sends in FSDP2's all-gather: torch's own sharded
+    parameters on a fake process group of `world` ranks (padding included: 7 and 5 rows do
+    not divide by 2 or 3)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model = nn.Sequential(
+        nn.Linear(7, 5), nn.ReLU(), nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3)), nn.Linear(3, 2)
+    )
+    planned = fsdp.exchange_numels(model, None, world)
+    assert [name for name, _ in planned] == ["0", "2", "3", ""]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        fsdp.shard(model, None)
+        sent = []
+        for name in ["0", "2", "3", ""]:
+            group = model.get_submodule(name)._get_fsdp_state()._fsdp_param_group
+            numels = [p._sharded_param_data.numel() for p in group.fsdp_params] if group else []
+            sent.append((name, sum(numels)))
+    finally:
+        dist.destroy_process_group()
+    assert planned == sent

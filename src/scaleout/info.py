@@ -61,21 +61,13 @@ def describe_model(config: Any) -> ModelInfo:  # noqa: ANN401 - a RunConfig
         raise ConfigError("[model] is missing: scaleout info describes the model a config names")
     with torch.device("meta"):
         model = config.model.build()
-    input_shape = getattr(model, "input_shape", None)
-    if input_shape is None:
-        if config.data is None:
-            raise ConfigError(
-                f"model ({config.model.name}) has no input_shape and the config names no "
-                "[data] to take one example from"
-            )
-        train, _ = config.data.build(config.run.seed)
-        input_shape = tuple(train[0][0].shape)
-    input_shape = tuple(input_shape)
+    example = example_input(config, model)
+    input_shape = tuple(example.shape[1:])
     if hasattr(model, "layer_costs"):  # the model counts its own layers exactly
         return _from_layer_costs(model, config, input_shape)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        model.eval()(torch.empty(1, *input_shape, device="meta"))
+        model.eval()(example)
     per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     root = type(model).__name__
     layers = [
@@ -98,6 +90,22 @@ def describe_model(config: Any) -> ModelInfo:  # noqa: ANN401 - a RunConfig
         bytes_per_value=torch.finfo(torch.get_default_dtype()).bits // 8,
         optimizer=config.train.optimizer,
     )
+
+
+def example_input(config: Any, model: nn.Module) -> torch.Tensor:  # noqa: ANN401 - a RunConfig
+    """One example for `model` on PyTorch's meta device, (1, ...): of the model's
+    `input_shape`, or shaped (and typed: token ids are integers) as the data's first."""
+    input_shape = getattr(model, "input_shape", None)
+    if input_shape is not None:
+        return torch.empty(1, *input_shape, device="meta")
+    if config.data is None:
+        raise ConfigError(
+            f"model ({config.model.name}) has no input_shape and the config names no "
+            "[data] to take one example from"
+        )
+    train, _ = config.data.build(config.run.seed)
+    first = torch.as_tensor(train[0][0])
+    return torch.empty(1, *first.shape, dtype=first.dtype, device="meta")
 
 
 def _from_layer_costs(model: nn.Module, config: Any, input_shape: tuple) -> ModelInfo:  # noqa: ANN401

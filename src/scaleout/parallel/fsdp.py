@@ -30,7 +30,15 @@ from torch.distributed.tensor import DTensor
 
 from scaleout.checkpoint import CheckpointError, required_optimizer_part
 
-__all__ = ["FSDPModule", "blocks_of", "full_state", "held_bytes", "load_full_state", "shard"]
+__all__ = [
+    "FSDPModule",
+    "blocks_of",
+    "exchange_numels",
+    "full_state",
+    "held_bytes",
+    "load_full_state",
+    "shard",
+]
 
 
 def blocks_of(model: nn.Module, names: list[str] | None) -> list[str]:
@@ -88,6 +96,29 @@ def shard(model: nn.Module, names: list[str] | None) -> list[str]:
         fully_shard(model.get_submodule(name))
     fully_shard(model)
     return blocks
+
+
+def exchange_numels(model: nn.Module, names: list[str] | None, world: int) -> list[tuple[str, int]]:
+    """What `shard(model, names)` over `world` ranks exchanges, per unit in forward order
+    (each block, then the root "" with what no block holds): the values a rank sends in the
+    unit's all-gather, and keeps from its reduce-scatter. FSDP2 cuts every parameter's dim
+    0 into `world` chunks of ceil(dim0 / world) rows, padding the last ones. Model-free of
+    processes: the simulator prices a step from it."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    blocks = blocks_of(model, names)
+    seen: set[int] = set()
+    units = []
+    for name in [*blocks, ""]:
+        numel = 0
+        for param in model.get_submodule(name).parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            rows = param.shape[0] if param.dim() else 1
+            numel += -(-rows // world) * (param.numel() // max(rows, 1))
+        units.append((name, numel))
+    return units
 
 
 def _options(**kwargs: bool) -> StateDictOptions:

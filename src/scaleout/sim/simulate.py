@@ -71,7 +71,13 @@ def parse_sweep(items: Sequence[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def simulation_for(strategy: str) -> Callable[..., Any]:
+def simulation_for(strategy: str, pipelined: bool = False) -> Callable[..., Any]:
+    """The simulation of `strategy`; of pipeline stages when `pipelined` (under
+    "model_parallel" and "sync")."""
+    if pipelined and strategy in ("model_parallel", "sync"):
+        from scaleout.sim.pipeline import PipelineSim
+
+        return PipelineSim
     if strategy not in SIMULATIONS:
         raise ConfigError(
             f"train.strategy = {strategy!r} has no simulation yet: simulate one of "
@@ -108,7 +114,7 @@ def simulate(
     for values in itertools.product(*(choices for _, choices in sweep)):
         swept = [f"{k}={v}" for k, v in zip(keys, values, strict=True)]
         config = load_config(request.config, [*request.overrides, *swept])
-        simulation = simulation_for(config.train.strategy)
+        simulation = simulation_for(config.train.strategy, config.model_parallel.stages > 1)
         for machines in request.machines:
             if progress is not None:
                 progress(f"{' '.join(swept) or 'as configured'}: {machines} machines")

@@ -31,8 +31,10 @@ What runs, as the library runs it (`Lockstep` driver, `Worker.train_chunk`):
   buffers such as BatchNorm statistics are not counted); the flattening, scaling and
   copying back around it is priced from the measured two-process `average_tensors` less
   the measured all-reduce (`Calibration.average`);
-- an evaluation runs on rank 0 (after averaging the weights in "average" mode); a checkpoint
-  (after averaging in "average" mode) writes rank 0's model and optimizer.
+- mode "fsdp": FSDP2's all-gathers and reduce-scatters per block (`scaleout.sim.sync_fsdp`);
+- an evaluation runs on rank 0 (after averaging the weights in "average" mode; under
+  "fsdp" on every worker); a checkpoint (after averaging in "average" mode; gathered under
+  "fsdp") writes rank 0's model and optimizer.
 
 Ring collectives: `ring_allreduce` is 2(N-1) steps, `ring_allgather` N-1; in each step
 every rank sends one chunk to the next rank at once, and a step ends when all its sends have
@@ -56,7 +58,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import simpy
 
@@ -69,6 +71,9 @@ from scaleout.sim.engine import Cluster, Process
 from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 from scaleout.sim.wire import link_codec_speed
+
+if TYPE_CHECKING:
+    from scaleout.sim.sync_fsdp import ShardedStep
 
 BACKWARD_FRACTION = 2 / 3  # of a training step unless measured; forward (and loading) the rest
 BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb (MiB)
@@ -305,12 +310,23 @@ class SyncSim:
         self.exposed: list[float] = []  # per step: from backward's end to the last bucket's
         self.trained_s = 0.0
         self.step = 0
+        self.sharded: ShardedStep | None = None
+        if self.opts.mode == "fsdp" and self.num_workers > 1:
+            from scaleout.sim.sync_fsdp import ShardedStep, fsdp_units  # (it imports the rings)
+
+            self.sharded = ShardedStep(self, fsdp_units(config, self.num_workers))
 
     # --- collectives ---------------------------------------------------------------------
 
     def _allreduce(self, nbytes: int) -> Process:
         yield from self.clock.wake(nbytes)
         yield from ring_allreduce(self.cluster, self.where, nbytes, self.cal)
+        self.clock.ended()
+
+    def _allgather(self, nbytes: int) -> Process:
+        """Every worker's `nbytes` to every other (a reduce-scatter moves the same)."""
+        yield from self.clock.wake(nbytes)
+        yield from ring_allgather(self.cluster, self.where, nbytes, self.cal)
         self.clock.ended()
 
     def _on_every_worker(self, seconds: float) -> Process:
@@ -352,9 +368,7 @@ class SyncSim:
         yield from self._on_every_worker(self.cal.codec_s(self.codec, numel, "encode"))
         codes, scales = layout(self.codec, numel, self.block_size)
         packed = codes + 4 * scales + 1  # `pack`: codes, scales, a flag byte
-        yield from self.clock.wake(packed)
-        yield from ring_allgather(self.cluster, self.where, packed, self.cal)
-        self.clock.ended()
+        yield from self._allgather(packed)
         decode = self.num_workers * self.cal.codec_s(self.codec, numel, "decode")
         yield from self._on_every_worker(decode)
 
@@ -403,7 +417,9 @@ class SyncSim:
 
     def _step(self) -> Process:
         env = self.env
-        if self.opts.mode == "allreduce":
+        if self.sharded is not None:
+            yield from self.sharded.step()
+        elif self.opts.mode in ("allreduce", "fsdp"):  # (fsdp on one worker: a plain step)
             ready = [[env.event() for _ in self.where] for _ in self.buckets]
             passes = [env.process(self._worker_pass(w, ready)) for w in range(self.num_workers)]
             comm = env.process(self._communicate(ready))
@@ -452,6 +468,11 @@ class SyncSim:
         yield from self._on_every_worker(half)
 
     def _evaluate(self) -> Process:
+        if self.sharded is not None:
+            cost = self.cost
+            batch = self.train.eval_batch_size
+            yield from self.sharded.evaluate(cost.test_size, batch, cost.eval_s)
+            return
         if self.opts.mode == "average":  # the workers' average weights, then rank 0 tests
             yield from self._average(4 * self.numel)
         seconds = self.cost.test_size * self.cost.eval_s
@@ -460,6 +481,8 @@ class SyncSim:
     def _checkpoint(self) -> Process:
         if self.opts.mode == "average":  # `average_now` before rank 0's state
             yield from self._average(self.state_bytes)
+        if self.sharded is not None:  # the full state gathered onto rank 0
+            yield from self.sharded.gather_all()
         yield self.env.timeout(self.state_bytes / self.cal.checkpoint_bytes_per_s)
 
     def _driver(self, total: int) -> Process:

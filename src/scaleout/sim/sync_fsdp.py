@@ -1,0 +1,162 @@
+"""Sync's mode "fsdp" as a simulation: FSDP2's step over the library's own plan of units.
+
+The units are what `scaleout.parallel.fsdp.shard` makes of the config's model (built on
+PyTorch's meta device): each block of `sync.fsdp_blocks` (or each child that holds
+parameters), then the root with the rest; `fsdp.exchange_numels` gives the values a rank
+sends in each unit's all-gather and keeps from its reduce-scatter, padding included. A
+unit's share of the step's compute is its share of the model's forward FLOPs
+(`scaleout.info.describe_model`), else of its parameters.
+
+One step, as FSDP2 runs it on one process group (one collective at a time, in the order
+they are issued):
+
+- forward: the root is all-gathered (and kept until backward ends), then each block: the
+  next block's all-gather is issued as a block starts computing (prefetch one ahead), and
+  a block computes once its own has ended; the root's own layers compute last;
+- backward: the root's layers first, then the blocks in reverse: each block was resharded
+  after forward and is all-gathered again (the next one prefetched as a block starts), and
+  its gradient is reduce-scattered as soon as its backward ends; the root's last;
+- the optimizer steps 1/N of the parameters on each worker.
+
+An all-gather and a reduce-scatter are rings of N - 1 steps of the rank's values (`fp32`);
+FSDP's copies into and out of the flat buffers are priced as `average_tensors`' flattening
+(`Calibration.flatten_bytes_per_s`) over the unit's whole values. An evaluation runs on
+every worker (each gathers every unit per test batch); a checkpoint gathers every unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scaleout.parallel import fsdp
+from scaleout.sim.engine import Process
+
+if TYPE_CHECKING:
+    from scaleout.sim.sync import SyncSim
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One sharded module: `name` ("" the root), the values a rank sends in its all-gather
+    (and keeps from its reduce-scatter), and its share of the step's compute."""
+
+    name: str
+    numel: int
+    share: float
+
+
+def fsdp_units(config: Any, workers: int) -> list[Unit]:  # noqa: ANN401 - a RunConfig
+    """The units of `config`'s model sharded over `workers` ranks, in forward order."""
+    from scaleout.info import describe_model
+
+    with torch.device("meta"):
+        model = config.model.build()
+    plan = fsdp.exchange_numels(model, config.sync.fsdp_blocks, workers)
+    layers = describe_model(config).layers
+    names = [name for name, _ in plan]
+
+    def unit_of(layer: str) -> str:
+        return next((n for n in names[:-1] if layer == n or layer.startswith(f"{n}.")), "")
+
+    flops = dict.fromkeys(names, 0)
+    for layer in layers:
+        flops[unit_of(layer.name)] += layer.flops
+    weights = flops if sum(flops.values()) > 0 else dict(plan)
+    total = max(sum(weights.values()), 1)
+    return [Unit(name, numel, weights[name] / total) for name, numel in plan]
+
+
+class ShardedStep:
+    """FSDP's step, evaluation and checkpoint inside a `SyncSim` of more than one worker."""
+
+    def __init__(self, sim: SyncSim, units: list[Unit]) -> None:
+        self.sim, self.env = sim, sim.env
+        self.workers = range(sim.num_workers)
+        self.blocks, self.root = units[:-1], units[-1]
+        self.units = units
+
+    def _gather(self, unit: Unit) -> Process:
+        """A unit's all-gather: a ring, then each worker copies the values out."""
+        yield from self.sim._allgather(4 * unit.numel)
+        yield from self.sim._on_every_worker(self._copy_s(unit))
+
+    def _reduce_scatter(self, unit: Unit) -> Process:
+        """A unit's gradient: each worker copies it in, then a ring of its rank's part."""
+        yield from self.sim._on_every_worker(self._copy_s(unit))
+        yield from self.sim._allgather(4 * unit.numel)
+
+    def _copy_s(self, unit: Unit) -> float:
+        return 4 * unit.numel * self.sim.num_workers / self.sim.cal.flatten_bytes_per_s
+
+    def step(self) -> Process:
+        """One training step on every worker: forward and backward with their collectives,
+        then the optimizer on each worker's shard."""
+        env, sim, n = self.env, self.sim, len(self.blocks)
+        events = lambda: [[env.event() for _ in self.workers] for _ in range(n)]  # noqa: E731
+        forward_started, backward_started, backward_done = events(), events(), events()
+        root_backward_done = [env.event() for _ in self.workers]
+        root_gathered = env.event()
+        gathered = [env.event() for _ in range(n)]  # forward
+        regathered = [env.event() for _ in range(n)]  # backward
+
+        def worker(w: int) -> Process:
+            forward = yield from sim._next_slice(w)
+            backward = sim.backward_s
+            yield root_gathered
+            for i, block in enumerate(self.blocks):
+                yield gathered[i]
+                forward_started[i][w].succeed()
+                yield from sim._compute(w, forward * block.share)
+            yield from sim._compute(w, (forward + backward) * self.root.share)
+            root_backward_done[w].succeed()
+            for i in reversed(range(n)):
+                yield regathered[i]
+                backward_started[i][w].succeed()
+                yield from sim._compute(w, backward * self.blocks[i].share)
+                backward_done[i][w].succeed()
+
+        def collectives() -> Process:
+            yield from self._gather(self.root)
+            root_gathered.succeed()
+            for i, block in enumerate(self.blocks):
+                if i > 0:  # issued as the block before starts computing
+                    yield env.all_of(forward_started[i - 1])
+                yield from self._gather(block)
+                gathered[i].succeed()
+            if n:
+                yield env.all_of(root_backward_done)
+                yield from self._gather(self.blocks[-1])
+                regathered[-1].succeed()
+            for i in reversed(range(n)):
+                if i > 0:  # the next block's, prefetched as this one starts
+                    yield env.all_of(backward_started[i])
+                    yield from self._gather(self.blocks[i - 1])
+                    regathered[i - 1].succeed()
+                yield env.all_of(backward_done[i])
+                yield from self._reduce_scatter(self.blocks[i])
+            yield env.all_of(root_backward_done)
+            yield from self._reduce_scatter(self.root)
+
+        passes = [env.process(worker(w)) for w in self.workers]
+        comm = env.process(collectives())
+        yield env.all_of(passes)
+        computed = env.now
+        yield comm
+        sim.exposed.append(env.now - computed)
+        yield from sim._on_every_worker(sim.cost.optimizer_s / sim.num_workers)
+
+    def gather_all(self) -> Process:
+        """Every unit gathered once (a test batch's forward, a checkpoint's full state)."""
+        for unit in self.units:
+            yield from self._gather(unit)
+
+    def evaluate(self, test_size: int, eval_batch: int, eval_s: float) -> Process:
+        """Every worker evaluates the whole test set, gathering every unit per batch."""
+        sim, env = self.sim, self.env
+        full, rest = divmod(test_size, eval_batch)
+        for size in [eval_batch] * full + ([rest] if rest else []):
+            yield from self.gather_all()
+            yield env.all_of([env.process(sim._compute(w, size * eval_s)) for w in self.workers])

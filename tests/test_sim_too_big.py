@@ -1,0 +1,186 @@
+"""The simulations of models too big for one worker against hand-computable cases: FSDP's
+collectives per block (sync.mode = "fsdp") and pipeline stages' schedules. Calibrations are
+built by hand (`test_sim_strategies.calibration`): every cost a case does not exercise is
+free, so the simulated times are sums of the few that remain."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_sim_strategies import calibration
+from torch import nn
+
+from scaleout.api import load_config
+from scaleout.parallel import fsdp
+from scaleout.sim.engine import Link
+from scaleout.sim.pipeline import PipelineSim, schedule_order, stage_plans
+from scaleout.sim.setting import Setting
+from scaleout.sim.sync import SyncSim
+
+FREE_LINK = Link(1e30, 0.0)
+
+
+def setting_for(config, machines, steps, link, per_example_s=1e-3, **options):
+    numel = sum(p.numel() for p in config.model.build().parameters())
+    cal = calibration(config, numel, per_example_s, **options)
+    return Setting(cal, machines=machines, cores=2, link=link, steps=steps)
+
+
+# --- FSDP ---------------------------------------------------------------------------------
+
+
+def fsdp_config(*overrides):
+    return load_config(
+        "configs/mnist_sync.toml",
+        [
+            "sync.mode=fsdp",
+            'sync.fsdp_blocks=["Linear"]',  # the MLP's 3 layers, one block each
+            "train.eval_every=1000",
+            "train.checkpoint_every=1000",
+            *overrides,
+        ],
+    )
+
+
+def test_fsdp_moves_two_gathers_and_a_reduce_scatter_per_block_from_the_librarys_plan():
+    """On 2 machines: the root gathered once, each block twice (forward, then again for
+    backward: resharded after forward), every unit's gradient reduce-scattered; each a
+    ring of 1 step in which both ranks send the values `exchange_numels` plans."""
+    config, steps = fsdp_config(), 3
+    result = SyncSim(config, setting_for(config, 2, steps, Link(1e8, 1e-4))).run()
+    units = fsdp.exchange_numels(config.model.build(), ["Linear"], 2)
+    blocks = sum(numel for name, numel in units if name)
+    root = dict(units)[""]
+    per_step = 2 * 4 * (3 * blocks + 2 * root)  # both ranks send
+    assert len(units) == 4
+    gather_all = 2 * 4 * (blocks + root)  # the checkpoint's (no test set to evaluate)
+    assert result.wire_bytes == steps * per_step + gather_all
+
+
+def test_fsdp_collectives_run_one_at_a_time_and_the_compute_waits_for_them():
+    """No compute to speak of: a step is its collectives back to back, each one ring step
+    of one latency (the link is otherwise free), then the optimizer on half the values."""
+    config, latency, opt, steps = fsdp_config(), 1e-3, 0.004, 2
+    link = Link(1e30, latency)
+    setting = setting_for(config, 2, steps, link, per_example_s=1e-12, optimizer_s=opt)
+    units = len(fsdp.exchange_numels(config.model.build(), ["Linear"], 2))
+    result = SyncSim(config, setting).run()
+    step = (1 + 3 * (units - 1) + 1) * latency + opt / 2
+    after = units * latency  # every unit gathered for the checkpoint
+    assert result.run_s == pytest.approx(steps * step + after, rel=1e-6)
+
+
+def test_fsdp_on_a_free_link_costs_allreduces_compute_and_half_the_optimizer():
+    opt = 0.004
+    fsdp_run = fsdp_config()
+    plain = load_config("configs/mnist_sync.toml", ["train.eval_every=1000"])
+    sharded = SyncSim(fsdp_run, setting_for(fsdp_run, 2, 3, FREE_LINK, optimizer_s=opt)).run()
+    whole = SyncSim(plain, setting_for(plain, 2, 3, FREE_LINK, optimizer_s=opt)).run()
+    assert sharded.step_s == pytest.approx(whole.step_s - opt / 2, rel=1e-6)
+
+
+# --- pipelines ----------------------------------------------------------------------------
+
+
+class Shaped(nn.Sequential):
+    input_shape = (8,)
+
+
+def test_a_stage_plan_is_the_splits_flops_and_the_activation_it_sends():
+    """Cut as `stages.split` cuts (the parameters balanced: 144 | 272 + 68, the earliest cut
+    of two as good); forward FLOPs
+    2 * in * out per Linear; the first stage sends its 16 values per example."""
+    model = lambda: Shaped(  # noqa: E731
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
+    config = SimpleNamespace(model=SimpleNamespace(build=model), data=None)
+    first, second = stage_plans(config, 2)
+    assert (first.names, second.names) == (("0",), ("1", "2", "3", "4"))
+    assert first.share == pytest.approx(256 / 896) and second.share == pytest.approx(640 / 896)
+    assert (first.params, second.params) == (144, 340)
+    assert (first.sends_per_example, second.sends_per_example) == (16, 0)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("microbatches", [1, 2, 5])
+def test_1f1b_orders_each_pass_once_with_at_most_the_stages_left_in_flight(stages, microbatches):
+    for stage in range(stages):
+        order = schedule_order("1f1b", stage, stages, microbatches)
+        assert sorted(order) == sorted(
+            [f"F{i}" for i in range(microbatches)] + [f"B{i}" for i in range(microbatches)]
+        )
+        in_flight = 0
+        for op in order:
+            in_flight += 1 if op[0] == "F" else -1
+            assert 0 <= in_flight <= stages - stage
+        assert order.index(f"B{microbatches - 1}") > order.index(f"F{microbatches - 1}")
+
+
+def pipeline_config(schedule, microbatches, *overrides):
+    return load_config(
+        "examples/fashion_cnn.toml",
+        [
+            'train.strategy="model_parallel"',
+            "model_parallel.stages=2",
+            f"model_parallel.microbatches={microbatches}",
+            f'model_parallel.schedule="{schedule}"',
+            "train.eval_every=1000",
+            "train.checkpoint_every=1000",
+            *overrides,
+        ],
+    )
+
+
+def gpipe_closed_form(forward, backward, microbatches):
+    """A flow shop: a pass starts when its stage is free and its input has arrived."""
+    stages = len(forward)
+    done = [[0.0] * microbatches for _ in range(stages)]
+    for s in range(stages):
+        for i in range(microbatches):
+            before = max(done[s - 1][i] if s else 0.0, done[s][i - 1] if i else 0.0)
+            done[s][i] = before + forward[s]
+    back = [[0.0] * microbatches for _ in range(stages)]
+    for s in reversed(range(stages)):
+        for i in range(microbatches):
+            before = max(
+                back[s + 1][i] if s < stages - 1 else 0.0,
+                back[s][i - 1] if i else done[s][-1],
+            )
+            back[s][i] = before + backward[s]
+    return max(row[-1] for row in back)
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_gpipe_takes_the_flow_shops_time_and_1f1b_no_longer(microbatches):
+    """On 2 machines joined by a free link: GPipe's step is the flow shop's (the bubble
+    included); 1F1B's is no longer; one micro-batch leaves half the stage-time idle at
+    best."""
+    config = pipeline_config("gpipe", microbatches)
+    sim = PipelineSim(config, setting_for(config, 2, 2, FREE_LINK))
+    result = sim.run()
+    expected = gpipe_closed_form(sim.forward_s, sim.backward_s, microbatches)
+    assert result.step_s == pytest.approx(expected, rel=1e-6)
+    other = pipeline_config("1f1b", microbatches)
+    assert PipelineSim(other, setting_for(other, 2, 2, FREE_LINK)).run().step_s <= (
+        result.step_s * (1 + 1e-9)
+    )
+    if microbatches == 1:
+        assert result.extra["bubble"] >= 0.5 - 1e-9
+
+
+def test_pipeline_messages_are_the_micro_batches_activations_and_their_gradients():
+    microbatches, steps = 4, 2
+    config = pipeline_config("1f1b", microbatches)
+    sim = PipelineSim(config, setting_for(config, 2, steps, Link(1e9, 1e-5)))
+    result = sim.run()
+    micro = config.train.batch_size // microbatches
+    sends = sim.plans[0].sends_per_example
+    with torch.device("meta"):
+        model = config.model.build()
+    x = torch.empty(micro, 1, 28, 28, device="meta")
+    for name in sim.plans[0].names:
+        x = model.get_submodule(name)(x)
+    assert micro * sends == x.numel()
+    assert result.wire_bytes == steps * microbatches * 2 * 4 * x.numel()
