@@ -260,7 +260,9 @@ class PipelineSim:
                 yield self.env.timeout(nbytes / self.cal.checkpoint_bytes_per_s)
 
     def run(self) -> Result:
-        total = self.setting.steps or self.train.steps or 20
+        size, batch = self.cost.train_size, self.train.batch_size
+        run = self.train.total_steps(max(size // batch, 1)) if size or self.train.steps else 20
+        total = self.setting.steps or run  # (20: no training set calibrated, epochs asked)
         driver = self.env.process(self._driver(total))
         self.env.run(until=driver)
         elapsed = self.env.now
