@@ -14,6 +14,7 @@ from torch import nn
 
 from scaleout.api import load_config
 from scaleout.parallel import fsdp
+from scaleout.sim.calibration import MessageCost
 from scaleout.sim.engine import Link
 from scaleout.sim.pipeline import PipelineSim, schedule_order, stage_plans
 from scaleout.sim.setting import Setting
@@ -184,3 +185,30 @@ def test_pipeline_messages_are_the_micro_batches_activations_and_their_gradients
         x = model.get_submodule(name)(x)
     assert micro * sends == x.numel()
     assert result.wire_bytes == steps * microbatches * 2 * 4 * x.numel()
+
+
+def test_fsdp_adds_its_calibrated_local_work_to_every_step():
+    """`ModelCost.fsdp_s` (FSDP2's hooks and copies, measured in one process) replaces the
+    copies priced by bytes: on a free link each step is that much longer."""
+    config, opt, steps = fsdp_config(), 0.004, 3
+    plain = SyncSim(config, setting_for(config, 2, steps, FREE_LINK, optimizer_s=opt)).run()
+    setting = setting_for(config, 2, steps, FREE_LINK, optimizer_s=opt)
+    cost = next(iter(setting.calibration.models.values()))
+    cost.fsdp_s = 0.006
+    priced = SyncSim(config, setting).run()
+    assert priced.run_s == pytest.approx(plain.run_s + steps * 0.006 + 0.006 / 3, rel=1e-6)
+
+
+def test_two_workers_of_one_machine_take_the_calibrated_gather_and_reduce_scatter():
+    """On one machine gloo's own collectives are priced as measured (its reduce-scatter
+    costs more than the ring half of an all-reduce would): here 1 ms per all-gather and 2 ms
+    per reduce-scatter, back to back when there is no compute to hide them behind."""
+    config, opt, steps = fsdp_config(), 0.004, 2
+    setting = setting_for(config, 1, steps, FREE_LINK, per_example_s=1e-12, optimizer_s=opt)
+    setting.cores = 4.0
+    setting.calibration.allgather = MessageCost(fixed_s=1e-3, bytes_per_s=1e30)
+    setting.calibration.reduce_scatter = MessageCost(fixed_s=2e-3, bytes_per_s=1e30)
+    units = len(fsdp.exchange_numels(config.model.build(), ["Linear"], 2))
+    result = SyncSim(config, setting).run()
+    step = (1 + 2 * (units - 1)) * 1e-3 + units * 2e-3 + opt / 2
+    assert result.run_s == pytest.approx(steps * step + units * 1e-3, rel=1e-6)

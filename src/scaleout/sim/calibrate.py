@@ -55,6 +55,7 @@ from scaleout.sim.measure_calls import (
     measure_average,
     measure_collect,
     measure_exchange,
+    measure_fsdp_collectives,
     measure_shard_messages,
     shard_message_sizes,
     shard_slices,
@@ -311,6 +312,10 @@ def calibrate(
     allreduce = measure_allreduce(allreduce_sizes(configs, models))
     say("sync's weight averaging between two processes")
     average = measure_average(average_sizes(configs, models))
+    allgather = reduce_scatter = None
+    if any(c.train.strategy == "sync" for c in configs):
+        say("FSDP's all-gather and reduce-scatter between two processes")
+        allgather, reduce_scatter = measure_fsdp_collectives(allreduce_sizes(configs, models))
     say("model-parallel exchanges between two processes")
     exchange = measure_exchange()
     say("collectives after compute between two processes")
@@ -338,6 +343,8 @@ def calibrate(
         pull=pull,
         push=push,
         allreduce=allreduce,
+        allgather=allgather,
+        reduce_scatter=reduce_scatter,
         average=average,
         exchange=exchange,
         lockstep=lockstep,

@@ -78,6 +78,10 @@ class ModelCost(_Model):
     # seconds per step DDP adds besides the all-reduce (hooks, bucket copies); None: not
     # measured (a model calibrated for another strategy)
     ddp_s: float | None = Field(default=None, ge=0)
+    # seconds per step FSDP2 adds to a sync worker besides its collectives (hooks, flat
+    # buffer copies, DTensor's dispatch; `measure_compute.measure_fsdp`); None: not
+    # measured, the copies are priced at `Calibration.flatten_bytes_per_s`
+    fsdp_s: float | None = Field(default=None, ge=0)
     # how much more CPU a 1-thread step takes while another process makes calls to a
     # parameter-server shard (`measure_beside_calls`: their copies share the caches); 1:
     # not measured (a model calibrated for another strategy)
@@ -288,6 +292,10 @@ class Calibration(_Model):
     pull: MessageCost  # a shard's slice to a replica (fp32), per shard call
     push: MessageCost  # a replica's gradient slice into the object store, per shard call
     allreduce: MessageCost | None = None  # gloo, two processes: per byte of the tensor
+    # FSDP's all-gather and reduce-scatter, gloo, two processes: per byte of the whole
+    # (gathered) tensor; None: priced as ring steps of `allreduce`
+    allgather: MessageCost | None = None
+    reduce_scatter: MessageCost | None = None
     # sync "average" mode's `average_tensors` between two processes: per byte of the tensors
     average: MessageCost | None = None
     # a model-parallel exchange between two processes of one machine, by bytes each sends

@@ -358,6 +358,22 @@ def allreduce_call(rank: int, size: int) -> Callable[[], None]:
     return lambda: dist.all_reduce(x)
 
 
+def allgather_call(rank: int, size: int) -> Callable[[], None]:
+    """FSDP's all-gather: each of two ranks gives half of `size` values, both get all."""
+    import torch.distributed as dist
+
+    whole, half = torch.empty(size - size % 2), torch.randn(size // 2)
+    return lambda: dist.all_gather_into_tensor(whole, half)
+
+
+def reduce_scatter_call(rank: int, size: int) -> Callable[[], None]:
+    """FSDP's reduce-scatter: `size` values summed over two ranks, each keeps half."""
+    import torch.distributed as dist
+
+    whole, half = torch.randn(size - size % 2), torch.empty(size // 2)
+    return lambda: dist.reduce_scatter_tensor(half, whole)
+
+
 def average_call(rank: int, size: int) -> Callable[[], None]:
     """Sync "average" mode's `average_tensors` of `size` values in `AVERAGE_PIECES`
     tensors: flattened, all-reduced, scaled and copied back."""
@@ -422,6 +438,13 @@ def allreduce_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> lis
 def measure_allreduce(sizes: Sequence[int] = ALLREDUCE_SIZES) -> MessageCost:
     """A gloo all-reduce between two processes of this machine, by tensor bytes."""
     return _measure_two_ranks(allreduce_call, sizes)
+
+
+def measure_fsdp_collectives(sizes: Sequence[int]) -> tuple[MessageCost, MessageCost]:
+    """FSDP's all-gather and reduce-scatter between two processes of this machine, by
+    bytes of the whole (gathered) tensor: gloo's are not the ring halves of an all-reduce
+    (on CPU its reduce-scatter costs more than a whole all-reduce)."""
+    return _measure_two_ranks(allgather_call, sizes), _measure_two_ranks(reduce_scatter_call, sizes)
 
 
 def average_sizes(configs: Sequence[Any], models: dict[str, ModelCost]) -> list[int]:  # noqa: ANN401

@@ -200,6 +200,62 @@ def measure_ddp(config: Any, rounds: int = 7) -> float:  # noqa: ANN401
     return in_processes(_ddp_overhead, args, 1)[0]
 
 
+def _fsdp_overhead(raw: dict, port: int, rounds: int, out: Any) -> None:  # noqa: ANN401
+    """In a one-process gloo group: a sync worker's step (its slice of the batch, forward,
+    backward, the optimizer) with the model sharded by `fsdp.shard` as the config asks,
+    less the same step of an unsharded copy, alternately (`rounds`); the median
+    difference. One rank's collectives are local copies, so this is FSDP2's own work: its
+    hooks, the copies into and out of its flat buffers, DTensor's dispatch."""
+    import copy
+
+    import torch.distributed as dist
+
+    from scaleout.api import config_from_dict
+    from scaleout.nn.optim import build_optimizer
+    from scaleout.parallel import fsdp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        config = config_from_dict(raw)
+        stepper = _Stepper(config)
+        plain, objective = stepper.model, stepper.objective
+        sharded = copy.deepcopy(plain)
+        fsdp.shard(sharded, config.sync.fsdp_blocks)
+        options = stepper.job.optimizer_options()
+        optimizers = {id(m): build_optimizer(m.parameters(), options) for m in (plain, sharded)}
+        slice_ = max(1, stepper.batch // config.sync.num_workers)
+        batch = tuple(t[:slice_] for t in stepper.next_batch())
+
+        def step(model: torch.nn.Module) -> None:
+            optimizer = optimizers[id(model)]
+            optimizer.zero_grad(set_to_none=True)
+            loss, _ = objective.step(model, model, batch, 0)
+            loss.backward()
+            optimizer.step()
+
+        differences = []
+        for _ in range(rounds):
+            alone = timed(lambda: step(plain), repeats=10, warmup=2)
+            with_fsdp = timed(lambda: step(sharded), repeats=10, warmup=2)
+            differences.append(with_fsdp - alone)
+        out.put(max(statistics.median(differences), 0.0))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_fsdp(config: Any, rounds: int = 5) -> float | None:  # noqa: ANN401
+    """Seconds per step FSDP2 adds to a sync worker of `config` besides its collectives
+    (`_fsdp_overhead`); None for a model `fsdp.shard` cannot shard."""
+    from scaleout.comm import free_port
+
+    args = [(config.model_dump(mode="json"), free_port(), rounds)]
+    try:
+        return in_processes(_fsdp_overhead, args, 1)[0]
+    except Exception:  # a model FSDP cannot shard: the simulator prices copies instead
+        return None
+
+
 def _after_steps(
     stepper: _Stepper, steps: int, work: Callable[[], Any], before: Callable[[], Any] | None = None
 ) -> float:
@@ -285,9 +341,13 @@ def measure_model(config: Any, cores: int, steps: int = 20) -> ModelCost:  # noq
     except Exception:  # a model the FLOP counter cannot trace: its measured time stands
         flops = 0
     numels = [p.numel() for p in model.parameters() if p.requires_grad]
-    ddp_s = measure_ddp(config) if config.train.strategy == "sync" else None
+    ddp_s = fsdp_s = None
+    if config.train.strategy == "sync":
+        ddp_s = measure_ddp(config)
+        fsdp_s = measure_fsdp(config)  # (either mode: the calibration prices both)
     return ModelCost(
         ddp_s=ddp_s,
+        fsdp_s=fsdp_s,
         num_parameters=sum(numels),
         parameter_numels=numels,
         fixed_fraction=fixed,

@@ -18,10 +18,12 @@ they are issued):
   its gradient is reduce-scattered as soon as its backward ends; the root's last;
 - the optimizer steps 1/N of the parameters on each worker.
 
-An all-gather and a reduce-scatter are rings of N - 1 steps of the rank's values (`fp32`);
-FSDP's copies into and out of the flat buffers are priced as `average_tensors`' flattening
-(`Calibration.flatten_bytes_per_s`) over the unit's whole values. An evaluation runs on
-every worker (each gathers every unit per test batch); a checkpoint gathers every unit.
+An all-gather and a reduce-scatter are rings of N - 1 steps of the rank's values (`fp32`).
+FSDP's own work around them (hooks, copies into and out of its flat buffers, DTensor's
+dispatch) is the calibrated `ModelCost.fsdp_s`, shared by the units' values; without it,
+the copies are priced as `average_tensors`' flattening over the unit's whole values. An
+evaluation runs on every worker (each gathers every unit per test batch); a checkpoint
+gathers every unit.
 """
 
 from __future__ import annotations
@@ -78,17 +80,38 @@ class ShardedStep:
         self.blocks, self.root = units[:-1], units[-1]
         self.units = units
 
-    def _gather(self, unit: Unit) -> Process:
-        """A unit's all-gather: a ring, then each worker copies the values out."""
-        yield from self.sim._allgather(4 * unit.numel)
-        yield from self.sim._on_every_worker(self._copy_s(unit))
+    def _ring(self, unit: Unit, kind: str) -> Process:
+        """A unit's all-gather or reduce-scatter (`kind`): two workers of one machine take
+        the calibrated collective of the whole values; otherwise a ring of the rank's."""
+        sim = self.sim
+        measured = sim.cal.allgather if kind == "allgather" else sim.cal.reduce_scatter
+        if measured is None or sim.num_workers != 2 or len(set(sim.where)) != 1:
+            yield from sim._allgather(4 * unit.numel)
+            return
+        whole = 4 * unit.numel * 2
+        yield from sim.clock.wake(whole)
+        machine = sim.cluster.machines[sim.where[0]]
+        yield from machine.call(measured.seconds(whole), measured.cpu_s(whole))
+        sim.clock.ended()
 
-    def _reduce_scatter(self, unit: Unit) -> Process:
-        """A unit's gradient: each worker copies it in, then a ring of its rank's part."""
-        yield from self.sim._on_every_worker(self._copy_s(unit))
-        yield from self.sim._allgather(4 * unit.numel)
+    def _local(self, worker: int, unit: Unit) -> Process:
+        """FSDP's work on the worker's own thread around one of the unit's collectives
+        (copying the gathered values out, a gradient in)."""
+        sim = self.sim
+        yield from sim.cluster.machines[sim.where[worker]].work(self._copy_s(unit))
+
+    def _gather_everywhere(self, unit: Unit) -> Process:
+        yield from self._ring(unit, "allgather")
+        env = self.env
+        yield env.all_of([env.process(self._local(w, unit)) for w in self.workers])
 
     def _copy_s(self, unit: Unit) -> float:
+        """FSDP's local work around one of the unit's collectives: the calibrated `fsdp_s`
+        shared by the units' values over their collectives (a block's three, the root's
+        two), else the copies priced as `average_tensors`' flattening."""
+        fsdp_s, total = self.sim.cost.fsdp_s, max(sum(u.numel for u in self.units), 1)
+        if fsdp_s is not None:
+            return fsdp_s * unit.numel / total / (2 if unit is self.root else 3)
         return 4 * unit.numel * self.sim.num_workers / self.sim.cal.flatten_bytes_per_s
 
     def step(self) -> Process:
@@ -98,6 +121,7 @@ class ShardedStep:
         events = lambda: [[env.event() for _ in self.workers] for _ in range(n)]  # noqa: E731
         forward_started, backward_started, backward_done = events(), events(), events()
         root_backward_done = [env.event() for _ in self.workers]
+        root_reduced = [env.event() for _ in self.workers]
         root_gathered = env.event()
         gathered = [env.event() for _ in range(n)]  # forward
         regathered = [env.event() for _ in range(n)]  # backward
@@ -106,39 +130,45 @@ class ShardedStep:
             forward = yield from sim._next_slice(w)
             backward = sim.backward_s
             yield root_gathered
+            yield from self._local(w, self.root)
             for i, block in enumerate(self.blocks):
                 yield gathered[i]
+                yield from self._local(w, block)
                 forward_started[i][w].succeed()
                 yield from sim._compute(w, forward * block.share)
             yield from sim._compute(w, (forward + backward) * self.root.share)
             root_backward_done[w].succeed()
             for i in reversed(range(n)):
                 yield regathered[i]
+                yield from self._local(w, self.blocks[i])
                 backward_started[i][w].succeed()
                 yield from sim._compute(w, backward * self.blocks[i].share)
+                yield from self._local(w, self.blocks[i])  # the gradient copied in
                 backward_done[i][w].succeed()
+            yield from self._local(w, self.root)
+            root_reduced[w].succeed()
 
         def collectives() -> Process:
-            yield from self._gather(self.root)
+            yield from self._ring(self.root, "allgather")
             root_gathered.succeed()
             for i, block in enumerate(self.blocks):
                 if i > 0:  # issued as the block before starts computing
                     yield env.all_of(forward_started[i - 1])
-                yield from self._gather(block)
+                yield from self._ring(block, "allgather")
                 gathered[i].succeed()
             if n:
                 yield env.all_of(root_backward_done)
-                yield from self._gather(self.blocks[-1])
+                yield from self._ring(self.blocks[-1], "allgather")
                 regathered[-1].succeed()
             for i in reversed(range(n)):
                 if i > 0:  # the next block's, prefetched as this one starts
                     yield env.all_of(backward_started[i])
-                    yield from self._gather(self.blocks[i - 1])
+                    yield from self._ring(self.blocks[i - 1], "allgather")
                     regathered[i - 1].succeed()
                 yield env.all_of(backward_done[i])
-                yield from self._reduce_scatter(self.blocks[i])
-            yield env.all_of(root_backward_done)
-            yield from self._reduce_scatter(self.root)
+                yield from self._ring(self.blocks[i], "reduce_scatter")
+            yield env.all_of(root_reduced)
+            yield from self._ring(self.root, "reduce_scatter")
 
         passes = [env.process(worker(w)) for w in self.workers]
         comm = env.process(collectives())
@@ -151,7 +181,7 @@ class ShardedStep:
     def gather_all(self) -> Process:
         """Every unit gathered once (a test batch's forward, a checkpoint's full state)."""
         for unit in self.units:
-            yield from self._gather(unit)
+            yield from self._gather_everywhere(unit)
 
     def evaluate(self, test_size: int, eval_batch: int, eval_s: float) -> Process:
         """Every worker evaluates the whole test set, gathering every unit per batch."""
