@@ -14,7 +14,7 @@ from torch import nn
 
 from scaleout.api import load_config
 from scaleout.parallel import fsdp
-from scaleout.sim.calibration import MessageCost
+from scaleout.sim.calibration import CodecCost, MessageCost
 from scaleout.sim.engine import Link
 from scaleout.sim.pipeline import PipelineSim, schedule_order, stage_plans
 from scaleout.sim.setting import Setting
@@ -68,8 +68,8 @@ def test_fsdp_collectives_run_one_at_a_time_and_the_compute_waits_for_them():
     setting = setting_for(config, 2, steps, link, per_example_s=1e-12, optimizer_s=opt)
     units = len(fsdp.exchange_numels(config.model.build(), ["Linear"], 2))
     result = SyncSim(config, setting).run()
-    step = (1 + 3 * (units - 1) + 1) * latency + opt / 2
-    after = units * latency  # every unit gathered for the checkpoint
+    step = 3 * (units - 1) * latency + opt / 2  # (the root holds nothing: no collective)
+    after = (units - 1) * latency  # every block gathered for the checkpoint
     assert result.run_s == pytest.approx(steps * step + after, rel=1e-6)
 
 
@@ -210,5 +210,27 @@ def test_two_workers_of_one_machine_take_the_calibrated_gather_and_reduce_scatte
     setting.calibration.reduce_scatter = MessageCost(fixed_s=2e-3, bytes_per_s=1e30)
     units = len(fsdp.exchange_numels(config.model.build(), ["Linear"], 2))
     result = SyncSim(config, setting).run()
-    step = (1 + 2 * (units - 1)) * 1e-3 + units * 2e-3 + opt / 2
-    assert result.run_s == pytest.approx(steps * step + units * 1e-3, rel=1e-6)
+    step = 2 * (units - 1) * 1e-3 + (units - 1) * 2e-3 + opt / 2  # (the root holds nothing)
+    assert result.run_s == pytest.approx(steps * step + (units - 1) * 1e-3, rel=1e-6)
+
+
+def test_fsdp_with_a_codec_moves_its_payloads():
+    """`compress.codec = "dynamic8"`: each collective moves the unit's packed payload
+    (`layout`'s codes and scales, a flag byte) instead of its float32 values."""
+    from scaleout.compress.payload import layout
+
+    config, steps = fsdp_config('compress.codec="dynamic8"'), 2
+    setting = setting_for(config, 2, steps, Link(1e8, 1e-4))
+    free = CodecCost(sizes=[1], encode_ns=[0.0], decode_ns=[0.0])
+    setting.calibration.codecs["dynamic8"] = free
+    result = SyncSim(config, setting).run()
+    units = fsdp.exchange_numels(config.model.build(), ["Linear"], 2)
+    block = config.compress.block_size or 0
+
+    def packed(numel: int) -> int:
+        codes, scales = layout("dynamic8", numel, block)
+        return codes + 4 * scales + 1
+
+    per_step = sum((2 if name == "" else 3) * packed(numel) for name, numel in units if numel)
+    checkpoint = sum(packed(numel) for _, numel in units if numel)
+    assert result.wire_bytes == 2 * (steps * per_step + checkpoint)

@@ -2,6 +2,7 @@
 outside, and its state in the library's single-file checkpoint format.
 
     blocks = shard(model, ["GPT2Block"])      # each block, then the root; None: each child
+                                              # (comms=fsdp_comms("dynamic8"): 8-bit payloads)
     optimizer = AdamW(model.parameters())     # over the sharded parameters: 1/N of the state
     tensors, meta = full_state(model, optimizer)          # a collective; rank 0 gets it all
     load_full_state(model, optimizer, tensors, meta, src)  # every rank, from the whole state
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from scaleout.checkpoint import CheckpointError, required_optimizer_part
@@ -87,14 +89,23 @@ def _children(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def shard(model: nn.Module, names: list[str] | None) -> list[str]:
+def shard(
+    model: nn.Module, names: list[str] | None, comms: tuple[AllGather, ReduceScatter] | None = None
+) -> list[str]:
     """Apply `fully_shard` to each of `blocks_of(model, names)`, then to the root (which
     keeps what no block holds); return the blocks' names. The model is changed in place:
-    its parameters become DTensors, so build the optimizer after this."""
+    its parameters become DTensors, so build the optimizer after this. `comms`: the
+    all-gather and reduce-scatter every sharded module runs (`scaleout.compress.fsdp_comms`
+    sends compressed payloads); None: torch's."""
     blocks = blocks_of(model, names)
     for name in blocks:
         fully_shard(model.get_submodule(name))
     fully_shard(model)
+    if comms is not None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(comms[0])
+                module.set_custom_reduce_scatter(comms[1])
     return blocks
 
 

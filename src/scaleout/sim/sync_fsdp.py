@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from scaleout.compress.payload import layout
 from scaleout.parallel import fsdp
 from scaleout.sim.engine import Process
 
@@ -80,10 +81,29 @@ class ShardedStep:
         self.blocks, self.root = units[:-1], units[-1]
         self.units = units
 
+    def _coded(self, unit: Unit) -> bool:
+        """Whether the unit's payloads go through the `[compress]` codec
+        (`scaleout.compress.fsdp`: on a link, where that is faster for the shard's size)."""
+        sim = self.sim
+        if sim.codec == "fp32":
+            return False
+        return sim.on_link is None or sim.on_link.encodes(unit.numel)
+
+    def _packed(self, unit: Unit) -> int:
+        codes, scales = layout(self.sim.codec, unit.numel, self.sim.block_size)
+        return codes + 4 * scales + 1  # `pack`: codes, scales, a flag byte
+
     def _ring(self, unit: Unit, kind: str) -> Process:
         """A unit's all-gather or reduce-scatter (`kind`): two workers of one machine take
-        the calibrated collective of the whole values; otherwise a ring of the rank's."""
+        the calibrated collective of the whole values; otherwise a ring of the rank's. A
+        coded unit moves its payloads as a ring (the reduce-scatter's all-to-all sends
+        the same bytes)."""
         sim = self.sim
+        if unit.numel == 0:  # a root that holds nothing: FSDP runs no collective for it
+            return
+        if self._coded(unit):
+            yield from sim._allgather(self._packed(unit))
+            return
         measured = sim.cal.allgather if kind == "allgather" else sim.cal.reduce_scatter
         if measured is None or sim.num_workers != 2 or len(set(sim.where)) != 1:
             yield from sim._allgather(4 * unit.numel)
@@ -96,9 +116,15 @@ class ShardedStep:
 
     def _local(self, worker: int, unit: Unit) -> Process:
         """FSDP's work on the worker's own thread around one of the unit's collectives
-        (copying the gathered values out, a gradient in)."""
+        (copying the gathered values out, a gradient in); a coded unit's encodes and
+        decodes too (one shard out and every rank's in; or the others' chunks both ways)."""
         sim = self.sim
-        yield from sim.cluster.machines[sim.where[worker]].work(self._copy_s(unit))
+        seconds = self._copy_s(unit)
+        if self._coded(unit) and unit.numel:
+            n = sim.num_workers
+            seconds += n * sim.cal.codec_s(sim.codec, unit.numel, "encode") / 2
+            seconds += n * sim.cal.codec_s(sim.codec, unit.numel, "decode")
+        yield from sim.cluster.machines[sim.where[worker]].work(seconds)
 
     def _gather_everywhere(self, unit: Unit) -> Process:
         yield from self._ring(unit, "allgather")

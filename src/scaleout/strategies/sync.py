@@ -70,8 +70,8 @@ class SyncSection(Section):
 
 def check_fsdp(job: Job, blocks: list[str] | None) -> None:
     """Block classes the model has, one line otherwise; and what sharded data parallelism
-    cannot do yet: 8-bit exchanges (FSDP's reduce-scatter and all-gather take no codec
-    here) and fp16's loss scaling."""
+    cannot do yet: fp16's loss scaling. (A `[compress]` codec compresses its all-gathers
+    and reduce-scatters: `scaleout.compress.fsdp`.)"""
     probe = job.probe
     if blocks is not None and probe is not None and probe.module_classes:
         missing = [name for name in blocks if name not in probe.module_classes]
@@ -80,11 +80,6 @@ def check_fsdp(job: Job, blocks: list[str] | None) -> None:
                 f"sync.fsdp_blocks = {blocks}: {', '.join(missing)} match no module of the "
                 f"model; its module classes are {', '.join(sorted(probe.module_classes))}"
             )
-    if job.compress.codec != "fp32":
-        raise ConfigError(
-            f'compress.codec = "{job.compress.codec}" with sync.mode = "fsdp": FSDP\'s '
-            'exchanges are not compressed yet; use codec "fp32" or sync.mode = "allreduce"'
-        )
     if job.run.precision == "fp16":
         raise ConfigError(
             'run.precision = "fp16" with sync.mode = "fsdp": use "bf16", which needs no loss '

@@ -209,8 +209,13 @@ class Worker(WorkerState, OnShards):
             self._select_phase(self.phase)  # the optimizer over the split parameters
         if self.role.fsdp and self.role.world > 1:
             blocks = self.role.fsdp_blocks
+            comms = None
+            if self.codec is not None:
+                from scaleout.compress.fsdp import fsdp_comms
+
+                comms = fsdp_comms(self.codec)
             try:
-                fsdp.shard(self.model, list(blocks) if blocks is not None else None)
+                fsdp.shard(self.model, list(blocks) if blocks is not None else None, comms)
             except ValueError as err:
                 raise UserError(str(err)) from None
             self.sharded = True
