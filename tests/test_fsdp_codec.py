@@ -1,8 +1,8 @@
 """FSDP's collectives with compressed payloads (`scaleout.compress.fsdp`), on two gloo
 processes: the all-gather gives every rank each shard as the codec round-trips it, the
 reduce-scatter each rank's own chunk exact plus the others' round-tripped, and a model
-sharded with them gets gradients within the codec's few percent of torch's; an LM under sync.mode = "fsdp" with
-`compress.codec = "dynamic8"` ends near fp32's loss."""
+sharded with them gets gradients within the codec's few percent of torch's; an LM under
+sync.mode = "fsdp" with `compress.codec = "dynamic8"` ends near fp32's loss."""
 
 from __future__ import annotations
 
