@@ -321,6 +321,7 @@ def test_collecting_a_push_is_measured_through_a_real_client(ray_session):
     assert 0 < fixed + 4 * per_shard < 0.02
 
 
+@pytest.mark.slow
 def test_a_step_beside_a_shards_calls_is_measured_against_the_step_alone(ray_session):
     """`measure_beside_calls` steps a real model in another process while this one pulls
     from and pushes to a real shard: at least 1, and not a multiple."""

@@ -102,6 +102,7 @@ def test_diloco_with_one_replica_and_plain_outer_sgd_is_strategy_single(ray_sess
     assert abs(diloco.final_test_accuracy - single.final_test_accuracy) < 0.005
 
 
+@pytest.mark.slow
 def test_diloco_stopped_and_resumed_takes_the_steps_of_an_uninterrupted_run(ray_session, tmp_path):
     """The replicas' own optimizer state is in the checkpoint: a DiLoCo run stopped and
     resumed takes the steps the same run takes without a stop (one replica, outer SGD at

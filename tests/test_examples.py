@@ -45,6 +45,7 @@ def test_fashion_cnn_from_toml_factories(tmp_path, monkeypatch):
     assert evals[-1]["test_accuracy"] >= 0.85
 
 
+@pytest.mark.slow
 def test_own_loop_on_the_parameter_server(tmp_path):
     """examples/own_loop_downpour.py: the user's loop in Ray actors, scaleout's shards and
     client; it trains (the script checks its own accuracy and prints it)."""

@@ -101,7 +101,7 @@ def lose_first_answer(monkeypatch) -> list[str]:  # noqa: ANN001
     return lost
 
 
-@pytest.mark.parametrize("primary", ["alive", "dead"])
+@pytest.mark.parametrize("primary", [pytest.param("alive", marks=pytest.mark.slow), "dead"])
 def test_a_pull_answer_lost_with_its_node_is_asked_for_again(ray_session, monkeypatch, primary):
     """A pull's answer (over Ray's 100 KB inline limit) waits in the shard's node's store
     until fetched; a node lost in between raises ObjectLostError, not RayActorError. The

@@ -194,6 +194,7 @@ def test_downpour_trains_checkpoints_and_resumes(ray_session, tmp_path):
     assert all(line["lr"] <= 0.01 for line in lines if line.get("lr") is not None)
 
 
+@pytest.mark.slow
 def test_sandblaster_trains_and_resumes_a_tied_model_and_refuses_a_schedule(ray_session, tmp_path):
     config = lm_config(tmp_path, "sandblaster", "sandblaster")
     config["train"].update(lr_schedule="constant", grad_clip_norm=None)
@@ -234,7 +235,9 @@ def test_downpour_adamw_cosine_clipping_one_replica_is_single_bit_for_bit(ray_se
 # --- Hugging Face -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["single", "sync", "downpour"])
+@pytest.mark.parametrize(
+    "strategy", ["single", "sync", pytest.param("downpour", marks=pytest.mark.slow)]
+)
 def test_hugging_face_gpt2_trains_checkpoints_and_resumes(ray_session, tmp_path, strategy):
     pytest.importorskip("transformers")
     config = lm_config(tmp_path, f"gpt2_{strategy}", strategy, model="examples.hf_char_lm")
