@@ -51,7 +51,7 @@ from scaleout.data.images import write_image_folder
 from scaleout.nn.optim import build_optimizer
 from scaleout.runtime import session
 from scaleout.strategies.group import ActorWorkers, WorkerActor
-from scaleout.strategies.worker import Role
+from scaleout.strategies.role import Role
 
 BATCH = 128  # effective batch
 ITERATIONS = 20  # the paper's table: time per 20 iterations

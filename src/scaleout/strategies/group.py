@@ -23,7 +23,8 @@ import torch
 from scaleout.comm import GroupMember, ProcessGroup
 from scaleout.runtime import cpu_share, kill, resolve_device, spawn
 from scaleout.runtime.actors import check_capacity, check_resources
-from scaleout.strategies.worker import Role, Worker
+from scaleout.strategies.role import Role
+from scaleout.strategies.worker import Worker
 from scaleout.train.job import Job
 
 Where = Callable[[], str]  # where the run stopped, for messages

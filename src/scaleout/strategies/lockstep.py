@@ -16,7 +16,8 @@ from typing import Any
 from scaleout.data import num_batches
 from scaleout.rundir import RunDir
 from scaleout.strategies.group import ActorWorkers, LocalWorkers
-from scaleout.strategies.worker import Role, chunk_of
+from scaleout.strategies.role import Role
+from scaleout.strategies.worker import chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 from scaleout.train.step import schedule_for

@@ -29,7 +29,7 @@ from scaleout.strategies.layout import (
     check_tensor,
 )
 from scaleout.strategies.lockstep import Lockstep, Workers
-from scaleout.strategies.worker import Role
+from scaleout.strategies.role import Role
 from scaleout.train.job import Job
 
 

@@ -42,7 +42,8 @@ from scaleout.errors import ConfigError
 from scaleout.strategies.group import ActorWorkers
 from scaleout.strategies.layout import ModelParallelSection, check_pipeline
 from scaleout.strategies.lockstep import Lockstep, Workers
-from scaleout.strategies.worker import Role, chunk_of
+from scaleout.strategies.role import Role
+from scaleout.strategies.worker import chunk_of
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Tensors
 

@@ -23,12 +23,10 @@ exactly where it stopped; a Downpour replica r > 0 shuffles its own part with it
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +57,7 @@ from scaleout.parallel.pipeline import (
     pipeline_groups,
 )
 from scaleout.runtime import resolve_device
+from scaleout.strategies.role import Role
 from scaleout.strategies.worker_shards import OnShards
 from scaleout.strategies.worker_state import WorkerState
 from scaleout.train.job import Job
@@ -69,48 +68,6 @@ from scaleout.train.step import Stepper
 
 if TYPE_CHECKING:
     from scaleout.ps import ReplicaClient
-
-
-@dataclass(frozen=True)
-class Role:
-    """Where a worker sits in its strategy's layout (see the module docstring)."""
-
-    name: str = "worker"  # in messages: "worker 1", "replica 0"
-    rank: int = 0  # in its process group (a grid, or the sync workers)
-    world: int = 1
-    replica: int = 0  # Downpour: trains on every num_replicas-th example from `replica`
-    num_replicas: int = 1
-    grid: tuple[int, int] | None = None  # model parallel: this worker's part of the model
-    transport: str = "all_to_all"
-    sliced: bool = False  # sync: slice `rank` of every global batch
-    ddp: bool = False  # sync "allreduce": DDP averages gradients during backward
-    average_every: int | None = None  # sync "average": average weights + optimizer state
-    fsdp: bool = False  # sync "fsdp": parameters, gradients and optimizer state sharded
-    fsdp_blocks: tuple[str, ...] | None = None  # the module classes sharded one by one
-    stages: int = 1  # pipeline stages: this worker's is `stage` of pipeline `slice`
-    microbatches: int = 1  # per step, through the stages
-    pipeline_schedule: str = "1f1b"  # "gpipe" | "1f1b"
-    tensor_plan: tuple[tuple[str, str], ...] = ()  # model parallel: Linear path -> style
-    phase_steps: int | None = None  # lock-step layer-wise training: steps per phase
-    schedule: Schedule | None = None  # the learning rate of each step (None: no optimizer)
-
-    @property
-    def stage(self) -> int:
-        """This worker's pipeline stage: rank r is stage r % stages of pipeline r // stages."""
-        return self.rank % self.stages
-
-    @property
-    def slice(self) -> int:
-        """Sync: the slice of every global batch this worker trains on (its pipeline's)."""
-        return self.rank // self.stages
-
-    @property
-    def slices(self) -> int:
-        return self.world // self.stages
-
-    def named(self, rank: int, world: int) -> Role:
-        """This role for rank `rank` of `world`."""
-        return dataclasses.replace(self, rank=rank, world=world)
 
 
 def chunk_of(out: dict[str, Any]) -> Chunk:

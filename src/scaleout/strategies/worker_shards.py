@@ -30,7 +30,7 @@ from scaleout.train.step import clip_gradients
 
 if TYPE_CHECKING:
     from scaleout.ps import ParameterServer, ReplicaClient
-    from scaleout.strategies.worker import Role
+    from scaleout.strategies.role import Role
     from scaleout.train.job import Job
     from scaleout.train.objective import Objective
 

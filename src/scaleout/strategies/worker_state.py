@@ -23,7 +23,7 @@ from scaleout.train.state import load_model_state, load_model_weights, model_sta
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from scaleout.strategies.worker import Role
+    from scaleout.strategies.role import Role
     from scaleout.train.job import Job
 
 

@@ -20,7 +20,7 @@ from scaleout.runtime import describe_failure
 from scaleout.strategies.downpour.lanes import Lanes
 from scaleout.strategies.group import ActorWorkers, Where, spawn_worker
 from scaleout.strategies.layout import ModelParallelSection
-from scaleout.strategies.worker import Role
+from scaleout.strategies.role import Role
 from scaleout.train.job import Job
 
 
