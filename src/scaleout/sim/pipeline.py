@@ -40,12 +40,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from scaleout.errors import ConfigError
 from scaleout.parallel import stages as pipeline_stages
 from scaleout.sim.engine import Process
-from scaleout.sim.result import Result
 from scaleout.sim.setting import Setting, model_cost
 from scaleout.sim.sync import (
     BACKWARD_FRACTION,
+    LockstepSim,
     checkpoint_bytes,
-    driver_chunks,
     ring_allreduce,
     ring_send,
 )
@@ -111,7 +110,7 @@ def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) ->
     return order
 
 
-class PipelineSim:
+class PipelineSim(LockstepSim):
     """One simulated run of `config`'s pipelines in `setting`."""
 
     def __init__(self, config: Any, setting: Setting) -> None:  # noqa: ANN401
@@ -220,14 +219,6 @@ class PipelineSim:
         self.bubble.append(1 - (sum(self.compute_s) - busy) / elapsed if elapsed else 0.0)
         yield env.all_of([env.process(self._after(s)) for s in range(self.stages)])
 
-    def _chunk(self, steps: int) -> Process:
-        started = self.env.now
-        yield self.env.timeout(self.cal.pull.fixed_s)  # the call to every worker
-        for _ in range(steps):
-            yield from self._step()
-        yield self.env.timeout(self.cal.pull.fixed_s)  # the answers
-        self.train_s += self.env.now - started
-
     def _evaluate(self) -> Process:
         """The test set relayed through the first pipeline batch by batch (a stage takes
         the next batch while the one after it computes this one)."""
@@ -248,40 +239,17 @@ class PipelineSim:
 
         yield env.all_of([env.process(stage_pass(s)) for s in range(self.stages)])
 
-    def _driver(self, total: int) -> Process:
+    def _checkpoint(self) -> Process:
         numel = sum(p.params for p in self.plans)
-        for steps, evaluating, saving in driver_chunks(total, self.train):
-            yield from self._chunk(steps)
-            self.trained_s = self.env.now
-            if evaluating:
-                yield from self._evaluate()
-            if saving:
-                nbytes = checkpoint_bytes(numel, self.train.optimizer)
-                yield self.env.timeout(nbytes / self.cal.checkpoint_bytes_per_s)
+        nbytes = checkpoint_bytes(numel, self.train.optimizer)
+        yield self.env.timeout(nbytes / self.cal.checkpoint_bytes_per_s)
 
-    def run(self) -> Result:
-        size, batch = self.cost.train_size, self.train.batch_size
-        run = self.train.total_steps(max(size // batch, 1)) if size or self.train.steps else 20
-        total = self.setting.steps or run  # (20: no training set calibrated, epochs asked)
-        driver = self.env.process(self._driver(total))
-        self.env.run(until=driver)
-        elapsed = self.env.now
-        examples = total * self.train.batch_size
-        roles = {"worker compute": statistics.mean(c / elapsed for c in self.compute_s)}
-        return Result.of_run(
-            self.cluster,
-            roles,
-            steps=total,
-            examples=examples,
-            step_s=elapsed / total,
-            steady_examples_per_s=examples / self.train_s if self.train_s > 0 else None,
-            trained_s=self.trained_s,
-            extra={
-                "stages": self.stages,
-                "pipelines": self.pipelines,
-                "microbatches": self.microbatches,
-                "schedule": self.opts.schedule,
-                "bubble": statistics.mean(self.bubble) if self.bubble else 0.0,
-                "message_bytes": list(self.message_bytes[:-1]),
-            },
-        )
+    def extra(self) -> dict[str, Any]:
+        return {
+            "stages": self.stages,
+            "pipelines": self.pipelines,
+            "microbatches": self.microbatches,
+            "schedule": self.opts.schedule,
+            "bubble": statistics.mean(self.bubble) if self.bubble else 0.0,
+            "message_bytes": list(self.message_bytes[:-1]),
+        }

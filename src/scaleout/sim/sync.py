@@ -252,7 +252,85 @@ def driver_chunks(
     return chunks
 
 
-class SyncSim:
+class LockstepSim:
+    """What the simulations of lock-step workers share (`SyncSim`, `scaleout.sim.pipeline`):
+    the driver's chunks of steps, evaluations and checkpoints, the run and its result.
+    Subclasses give `_step`, `_evaluate`, `_checkpoint` and `extra`, and set `env`,
+    `cluster`, `cal`, `train`, `cost`, `setting` and `compute_s`."""
+
+    env: simpy.Environment
+    cluster: Cluster
+    cal: Calibration
+    train: Any
+    cost: Any
+    setting: Setting
+    compute_s: list[float]
+    train_s: float = 0.0  # time spent in training chunks (no evaluation, no checkpoint)
+    trained_s: float = 0.0  # when the last training chunk was answered
+
+    def _step(self) -> Process:
+        raise NotImplementedError
+
+    def _evaluate(self) -> Process:
+        raise NotImplementedError
+
+    def _checkpoint(self) -> Process:
+        raise NotImplementedError
+
+    def extra(self) -> dict[str, Any]:
+        return {}
+
+    def _chunk(self, steps: int) -> Process:
+        started = self.env.now
+        yield self.env.timeout(self.cal.pull.fixed_s)  # the call to every worker
+        for _ in range(steps):
+            yield from self._step()
+        yield self.env.timeout(self.cal.pull.fixed_s)  # the answers
+        self.train_s += self.env.now - started
+
+    def _driver(self, total: int) -> Process:
+        for steps, evaluating, saving in driver_chunks(total, self.train):
+            yield from self._chunk(steps)
+            self.trained_s = self.env.now  # the metrics line's stamp, before evaluating
+            if evaluating:
+                yield from self._evaluate()
+            if saving:
+                yield from self._checkpoint()
+
+    def total_steps(self) -> int:
+        if self.setting.steps is not None:
+            return self.setting.steps
+        size, batch = self.cost.train_size, self.train.batch_size
+        if self.train.steps is None and size <= 0:
+            return STEADY_STEPS
+        run = self.train.total_steps(size // batch if size >= batch else 1)
+        return run if self.setting.machines == 1 else min(run, STEADY_STEPS)
+
+    def run(self) -> Result:
+        total = self.total_steps()
+        if total < 1:
+            raise ConfigError(f"steps to simulate must be >= 1, got {total}")
+        driver = self.env.process(self._driver(total))
+        self.env.run(until=driver)
+        return self._result(total)
+
+    def _result(self, total: int) -> Result:
+        elapsed = self.env.now
+        examples = total * self.train.batch_size
+        roles = {"worker compute": statistics.mean(c / elapsed for c in self.compute_s)}
+        return Result.of_run(
+            self.cluster,
+            roles,
+            steps=total,
+            examples=examples,
+            step_s=elapsed / total,
+            steady_examples_per_s=examples / self.train_s if self.train_s > 0 else None,
+            trained_s=self.trained_s,
+            extra=self.extra(),
+        )
+
+
+class SyncSim(LockstepSim):
     """One simulated sync run of `config` (a `RunConfig`) in `setting`."""
 
     def __init__(
@@ -306,9 +384,8 @@ class SyncSim:
             self.buckets = [base + (1 if b < extra else 0) for b in range(num_buckets)]
         self.state_bytes = checkpoint_bytes(self.numel, self.train.optimizer)
         self.compute_s = [0.0] * self.num_workers
-        self.train_s = 0.0  # time spent in training chunks (no evaluation, no checkpoint)
         self.exposed: list[float] = []  # per step: from backward's end to the last bucket's
-        self.trained_s = 0.0
+        self.train_s = self.trained_s = 0.0
         self.step = 0
         self.sharded: ShardedStep | None = None
         if self.opts.mode == "fsdp" and self.num_workers > 1:
@@ -439,14 +516,6 @@ class SyncSim:
 
     # --- the driver ----------------------------------------------------------------------
 
-    def _chunk(self, steps: int) -> Process:
-        started = self.env.now
-        yield self.env.timeout(self.cal.pull.fixed_s)  # the call to every worker
-        for _ in range(steps):
-            yield from self._step()
-        yield self.env.timeout(self.cal.pull.fixed_s)  # the answers
-        self.train_s += self.env.now - started
-
     def _average_local_s(self, nbytes: int) -> float:
         """A worker's local work in `average_tensors` of `nbytes` (flatten, scale, copy
         back): the measured two-process average less the measured all-reduce (both ranks
@@ -485,50 +554,10 @@ class SyncSim:
             yield from self.sharded.gather_all()
         yield self.env.timeout(self.state_bytes / self.cal.checkpoint_bytes_per_s)
 
-    def _driver(self, total: int) -> Process:
-        for steps, evaluating, saving in driver_chunks(total, self.train):
-            yield from self._chunk(steps)
-            self.trained_s = self.env.now  # the metrics line's stamp, before evaluating
-            if evaluating:
-                yield from self._evaluate()
-            if saving:
-                yield from self._checkpoint()
-
-    # --- the run -------------------------------------------------------------------------
-
-    def total_steps(self) -> int:
-        if self.setting.steps is not None:
-            return self.setting.steps
-        size, batch = self.cost.train_size, self.train.batch_size
-        if self.train.steps is None and size <= 0:
-            return STEADY_STEPS
-        run = self.train.total_steps(size // batch if size >= batch else 1)
-        return run if self.setting.machines == 1 else min(run, STEADY_STEPS)
-
-    def run(self) -> Result:
-        total = self.total_steps()
-        if total < 1:
-            raise ConfigError(f"steps to simulate must be >= 1, got {total}")
-        driver = self.env.process(self._driver(total))
-        self.env.run(until=driver)
-        return self._result(total)
-
-    def _result(self, total: int) -> Result:
-        elapsed = self.env.now
-        examples = total * self.train.batch_size
-        roles = {"worker compute": statistics.mean(c / elapsed for c in self.compute_s)}
-        return Result.of_run(
-            self.cluster,
-            roles,
-            steps=total,
-            examples=examples,
-            step_s=elapsed / total,
-            steady_examples_per_s=examples / self.train_s if self.train_s > 0 else None,
-            trained_s=self.trained_s,
-            extra={
-                "workers": self.num_workers,
-                "mode": self.opts.mode,
-                "buckets": len(self.buckets),
-                "exposed_communication_s": statistics.mean(self.exposed) if self.exposed else 0.0,
-            },
-        )
+    def extra(self) -> dict[str, Any]:
+        return {
+            "workers": self.num_workers,
+            "mode": self.opts.mode,
+            "buckets": len(self.buckets),
+            "exposed_communication_s": statistics.mean(self.exposed) if self.exposed else 0.0,
+        }
