@@ -311,6 +311,7 @@ def test_a_case_that_cannot_run_is_left_out_and_the_others_count(monkeypatch, tm
     assert any(note.startswith(f"{failing}: left out, 4 runs") for note in result.notes)
 
 
+@pytest.mark.slow
 def test_collecting_a_push_is_measured_through_a_real_client(ray_session):
     """`measure_collect` drives a real `ReplicaClient`: a few hundred microseconds a push
     on this machine, none of it waiting for the shards (they applied the push first)."""

@@ -186,6 +186,7 @@ def test_convex_objective_matches_scipy_and_decreases(ray_session, tmp_path):
 # --- load balancing and failures ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_backup_tasks_count_every_example_once(ray_session, tmp_path):
     """A 4x straggler with backup tasks: duplicates are dropped, the result is unchanged."""
     plain = sandblaster(tmp_path, "plain", "sandblaster.backup_tasks=false")
