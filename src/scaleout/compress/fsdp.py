@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+# (torch 2.13 keeps FSDP2's collective interfaces in a private module; `set_custom_*` is public)
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from scaleout.compress.codecs import Codec

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from scaleout.compress.fsdp import fsdp_comms
 from scaleout.compress.link import OnLink
 from scaleout.data import derive_seed, make_loader, num_batches
 from scaleout.data.parts import data_part
@@ -166,11 +167,7 @@ class Worker(WorkerState, OnShards):
             self._select_phase(self.phase)  # the optimizer over the split parameters
         if self.role.fsdp and self.role.world > 1:
             blocks = self.role.fsdp_blocks
-            comms = None
-            if self.codec is not None:
-                from scaleout.compress.fsdp import fsdp_comms
-
-                comms = fsdp_comms(self.codec)
+            comms = fsdp_comms(self.codec) if self.codec is not None else None
             try:
                 fsdp.shard(self.model, list(blocks) if blocks is not None else None, comms)
             except ValueError as err:
