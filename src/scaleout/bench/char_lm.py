@@ -34,24 +34,27 @@ RUNS = {  # name -> overrides of the example's config
 EVAL_EVERY = 100
 
 
-def _train(name: str, overrides: list[str], root: Path) -> dict[str, Any]:
+def trained(config: Path, overrides: list[str], name: str, root: Path) -> dict[str, Any]:
+    """`config` trained with `overrides` as run `name` under `root`: its summary, its
+    evaluation lines, and the examples/s of its metrics lines after the first (start-up)."""
     result = fit(
-        CONFIG,
-        overrides=[
-            *overrides,
-            f"run.name='{name}'",
-            f"run.out_dir='{root}'",
-            f"train.eval_every={EVAL_EVERY}",
-        ],
+        config,
+        overrides=[*overrides, f"run.name='{name}'", f"run.out_dir='{root}'"],
         overwrite=True,
     )
     records = read_metrics(Path(result.run_dir) / "metrics.jsonl")
-    rates = [r["examples_per_s"] for r in records[1:] if r.get("examples_per_s")]
     return {
         "summary": result.summary,
         "evals": [r for r in records if "test_loss" in r],
-        "rate": sorted(rates)[len(rates) // 2] if rates else result.summary["examples_per_s"],
+        "rates": [r["examples_per_s"] for r in records[1:] if r.get("examples_per_s")],
     }
+
+
+def _train(name: str, overrides: list[str], root: Path) -> dict[str, Any]:
+    run = trained(CONFIG, [*overrides, f"train.eval_every={EVAL_EVERY}"], name, root)
+    rates = run["rates"]
+    run["rate"] = sorted(rates)[len(rates) // 2] if rates else run["summary"]["examples_per_s"]
+    return run
 
 
 def _plot(runs: dict[str, dict[str, Any]], ax: Any) -> None:  # noqa: ANN401 - an Axes

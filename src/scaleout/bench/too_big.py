@@ -22,11 +22,12 @@ from __future__ import annotations
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from scaleout.api import fit, load_config
+from scaleout.api import load_config
 from scaleout.bench import Row, SuiteResult, register_suite
-from scaleout.metrics import read_metrics
+from scaleout.bench.asynchrony import evaluations, reach
+from scaleout.bench.char_lm import trained
 
 LM, CNN = Path("examples/char_lm.toml"), Path("examples/fashion_cnn.toml")
 EVAL_EVERY = 50
@@ -67,27 +68,10 @@ RUNS: dict[str, tuple[Path, list[str], bool]] = {  # name -> config, overrides, 
 def _train(name: str, config: Path, overrides: list[str], root: Path) -> dict[str, Any]:
     slug = "".join(c if c.isalnum() else "_" for c in name.lower())
     every = [f"train.eval_every={EVAL_EVERY}", "train.log_every=25"]
-    result = fit(
-        config,
-        overrides=[*overrides, *every, f"run.name='{slug}'", f"run.out_dir='{root}'"],
-        overwrite=True,
-    )
-    records = read_metrics(Path(result.run_dir) / "metrics.jsonl")
-    rates = [r["examples_per_s"] for r in records[1:] if r.get("examples_per_s")]
-    return {
-        "summary": result.summary,
-        "evals": [r for r in records if "test_loss" in r],
-        "rate": statistics.median(rates) if rates else result.summary["examples_per_s"],
-    }
-
-
-def _reached(evals: list[dict[str, Any]], lm: bool) -> dict[str, Any] | None:
-    for record in evals:
-        if lm and record["test_loss"] <= LM_TARGET:
-            return record
-        if not lm and record.get("test_accuracy", 0.0) >= CNN_TARGET:
-            return record
-    return None
+    run = trained(config, [*overrides, *every], slug, root)
+    rates = run["rates"]
+    run["rate"] = statistics.median(rates) if rates else run["summary"]["examples_per_s"]
+    return run
 
 
 def _predicted(config: Path, overrides: list[str], calibration: Path) -> float:
@@ -129,17 +113,18 @@ def run() -> SuiteResult:
                         "lower",
                     )
                 )
-            reached = _reached(run_["evals"], lm)
+            metric = "test_loss" if lm else "test_accuracy"
+            better: Literal["lower", "higher"] = "lower" if lm else "higher"
+            goal = LM_TARGET if lm else CNN_TARGET
+            reached = reach(evaluations(run_["evals"], metric), metric, goal, better)
             target = f"test loss {LM_TARGET}" if lm else f"test accuracy {CNN_TARGET:.0%}"
             if reached is None:
                 notes.append(f"{name} did not reach {target}")
             else:
-                rows.append(Row(f"{name}: seconds to {target}", reached["time_s"], "s", "lower"))
-                rows.append(Row(f"{name}: examples to {target}", reached["examples"], "", "lower"))
-            final = run_["evals"][-1]
-            key = "test_loss" if lm else "test_accuracy"
-            better = "lower" if lm else "higher"
-            rows.append(Row(f"{name}: final {key.replace('_', ' ')}", final[key], "", better))
+                rows.append(Row(f"{name}: seconds to {target}", reached[0], "s", "lower"))
+                rows.append(Row(f"{name}: examples to {target}", reached[1], "", "lower"))
+            final = run_["evals"][-1][metric]
+            rows.append(Row(f"{name}: final {metric.replace('_', ' ')}", final, "", better))
             held = run_["summary"].get("parameter_bytes")
             if held is not None:
                 state = held + run_["summary"].get("optimizer_bytes", 0)

@@ -160,6 +160,18 @@ def measure_concurrent(
     return alone / config.train.batch_size, together / config.train.batch_size
 
 
+def _added_s(
+    alone: Callable[[], Any], wrapped: Callable[[], Any], rounds: int, repeats: int
+) -> float:
+    """Seconds `wrapped()` takes beyond `alone()`: each timed in turn (`repeats` after 2
+    warm-ups) for `rounds`, the median difference, at least 0."""
+    differences = []
+    for _ in range(rounds):
+        plain = timed(alone, repeats=repeats, warmup=2)
+        differences.append(timed(wrapped, repeats=repeats, warmup=2) - plain)
+    return max(statistics.median(differences), 0.0)
+
+
 def _ddp_overhead(raw: dict, port: int, rounds: int, out: Any) -> None:  # noqa: ANN401
     """In a one-process gloo group: a step of one example through DDP less the same step
     without it, alternately (`rounds`); the median difference."""
@@ -180,12 +192,7 @@ def _ddp_overhead(raw: dict, port: int, rounds: int, out: Any) -> None:  # noqa:
             loss, _ = objective.step(model, through, batch, 0)
             loss.backward()
 
-        differences = []
-        for _ in range(rounds):
-            plain = timed(lambda: step(model), repeats=20, warmup=2)
-            wrapped = timed(lambda: step(network), repeats=20, warmup=2)
-            differences.append(wrapped - plain)
-        out.put(max(statistics.median(differences), 0.0))
+        out.put(_added_s(lambda: step(model), lambda: step(network), rounds, repeats=20))
     finally:
         dist.destroy_process_group()
 
@@ -234,12 +241,7 @@ def _fsdp_overhead(raw: dict, port: int, rounds: int, out: Any) -> None:  # noqa
             loss.backward()
             optimizer.step()
 
-        differences = []
-        for _ in range(rounds):
-            alone = timed(lambda: step(plain), repeats=10, warmup=2)
-            with_fsdp = timed(lambda: step(sharded), repeats=10, warmup=2)
-            differences.append(with_fsdp - alone)
-        out.put(max(statistics.median(differences), 0.0))
+        out.put(_added_s(lambda: step(plain), lambda: step(sharded), rounds, repeats=10))
     finally:
         dist.destroy_process_group()
 

@@ -40,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from scaleout.errors import ConfigError
 from scaleout.parallel import stages as pipeline_stages
 from scaleout.sim.engine import Process
-from scaleout.sim.setting import Setting, model_cost
+from scaleout.sim.setting import Setting, compute_shares, model_cost
 from scaleout.sim.sync import (
     BACKWARD_FRACTION,
     LockstepSim,
@@ -85,11 +85,10 @@ def stage_plans(config: Any, stages: int) -> list[StagePlan]:  # noqa: ANN401 - 
             sends.append(x.numel())
             params.append(sum(p.numel() for p in stage.parameters()))
     sends[-1] = 0  # the last stage's output stays (the loss)
-    weights = flops if sum(flops) > 0 else params
-    total = max(sum(weights), 1)
+    shares = compute_shares(flops, params)
     return [
-        StagePlan(tuple(names), w / total, p, s)
-        for names, w, p, s in zip(plan, weights, params, sends, strict=True)
+        StagePlan(tuple(names), share, p, s)
+        for names, share, p, s in zip(plan, shares, params, sends, strict=True)
     ]
 
 

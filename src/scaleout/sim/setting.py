@@ -58,6 +58,14 @@ class Setting:
         )
 
 
+def compute_shares(flops: list[int], params: list[int]) -> list[float]:
+    """Each part's share of a step's compute: of the forward FLOPs, or of the parameters
+    where the FLOP counter saw none."""
+    weights = flops if sum(flops) > 0 else params
+    total = max(sum(weights), 1)
+    return [w / total for w in weights]
+
+
 def model_cost(config: Any, calibration: Calibration) -> ModelCost:  # noqa: ANN401
     """The calibrated compute of `config`'s model (priced by FLOPs when not measured)."""
     from scaleout.sim.measuring import model_key

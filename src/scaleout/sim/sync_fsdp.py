@@ -36,6 +36,7 @@ import torch
 from scaleout.compress.payload import layout
 from scaleout.parallel import fsdp
 from scaleout.sim.engine import Process
+from scaleout.sim.setting import compute_shares
 
 if TYPE_CHECKING:
     from scaleout.sim.sync import SyncSim
@@ -67,9 +68,8 @@ def fsdp_units(config: Any, workers: int) -> list[Unit]:  # noqa: ANN401 - a Run
     flops = dict.fromkeys(names, 0)
     for layer in layers:
         flops[unit_of(layer.name)] += layer.flops
-    weights = flops if sum(flops.values()) > 0 else dict(plan)
-    total = max(sum(weights.values()), 1)
-    return [Unit(name, numel, weights[name] / total) for name, numel in plan]
+    shares = compute_shares([flops[name] for name in names], [numel for _, numel in plan])
+    return [Unit(name, numel, share) for (name, numel), share in zip(plan, shares, strict=True)]
 
 
 class ShardedStep:
