@@ -30,6 +30,7 @@ from scaleout.checkpoint import (
 __all__ = [
     "Stage",
     "load_stage_state",
+    "load_stage_weights",
     "merge_stage_states",
     "split",
     "splittable_parts",
@@ -157,11 +158,14 @@ def trainable_index(model: nn.Module, stage: Stage) -> list[int]:
 
 
 def stage_state(
-    stage: Stage, optimizer: torch.optim.Optimizer, index: list[int]
+    stage: Stage, optimizer: torch.optim.Optimizer | None, index: list[int]
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This stage's part of the whole model's state: weights under the model's names, and
-    optimizer state under the model's parameter indices (`index`: `trainable_index`)."""
+    optimizer state under the model's parameter indices (`index`: `trainable_index`;
+    none without an optimizer, a Downpour replica's)."""
     tensors = {f"model.{stage.full_name(k)}": v for k, v in stage.state_dict().items()}
+    if optimizer is None:
+        return tensors, {}
     values, meta = optimizer_state(optimizer)
     for name, value in values.items():
         _, local, key = name.split(".", 2)
@@ -176,6 +180,8 @@ def merge_stage_states(
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The whole model's state from every stage's `stage_state`, in strategy "single"'s
     format (one parameter group per group of the stages, their indices together)."""
+    if not parts[0][1]:  # weights only
+        return {k: v for part_tensors, _ in parts for k, v in part_tensors.items()}, {}
     tensors: dict[str, Tensor] = {}
     scalars: dict[str, Any] = {}
     groups = [dict(g, params=[]) for g in parts[0][1]["param_groups"]]
@@ -199,13 +205,7 @@ def load_stage_state(
 ) -> None:
     """This stage's part of a whole model's checkpoint (any strategy's), into `stage` and
     its `optimizer`."""
-    try:
-        weights = {k: tensors[f"model.{stage.full_name(k)}"] for k in stage.state_dict()}
-        stage.load_state_dict(weights)
-    except (KeyError, RuntimeError) as err:
-        raise CheckpointError(
-            f"checkpoint {source} does not fit the configured model: {str(err).splitlines()[0]}"
-        ) from None
+    load_stage_weights(stage, tensors, source)
     values, info = required_optimizer_part(tensors, meta, source)
     local_of = {global_: local for local, global_ in enumerate(index)}
     local_values = {}
@@ -219,3 +219,14 @@ def load_stage_state(
         mine = [local_of[i] for i in group["params"] if i in local_of]
         groups.append({**group, "params": mine})
     load_optimizer_state(optimizer, local_values, {"param_groups": groups, "scalars": scalars})
+
+
+def load_stage_weights(stage: Stage, tensors: dict[str, Tensor], source: str) -> None:
+    """This stage's weights from a whole model's checkpoint (any strategy's)."""
+    try:
+        weights = {k: tensors[f"model.{stage.full_name(k)}"] for k in stage.state_dict()}
+        stage.load_state_dict(weights)
+    except (KeyError, RuntimeError) as err:
+        raise CheckpointError(
+            f"checkpoint {source} does not fit the configured model: {str(err).splitlines()[0]}"
+        ) from None

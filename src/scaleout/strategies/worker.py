@@ -372,7 +372,7 @@ class Worker(WorkerState, OnShards):
         assert isinstance(runner, PipelineRunner)
         if self.role.slice > 0:
             return None
-        with self.stepper.autocast():
+        with self._shard_values(), self.stepper.autocast():
             if runner.last:
                 return self.objective.evaluate(
                     Relayed(runner), self.test_set, self.cfg.eval_batch_size, self.device

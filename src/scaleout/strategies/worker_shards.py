@@ -5,9 +5,10 @@ shards from them, and attaches every replica's workers (`attach`): from then on 
 `ReplicaClient` fetches every `n_fetch` steps and pushes the accumulated gradient every
 `n_push` steps, and the worker has no optimizer of its own (DiLoCo: it steps its own,
 built at each attach with the state it is given, and pushes the change of its parameters
-instead). On a model-parallel grid, each worker keeps its own part on shards of its own;
-replicated parameters (alpha) are kept by rank 0 and broadcast after each fetch, their
-gradients summed over the grid before a push.
+instead). On a model-parallel grid or a pipeline, each worker keeps its own part on
+shards of its own; a grid's replicated parameters (alpha) are kept by rank 0 and broadcast
+after each fetch, their gradients summed over the grid before a push; a pipeline's stages
+clip their pushes to the whole replica's gradient norm.
 At a phase's end every replica pushes what is left (`flush_pushes`), then adopts the final
 values (`adopt_final`).
 """
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from scaleout.checkpoint import OptimizerState, load_optimizer_state, optimizer_state
@@ -48,6 +50,7 @@ class OnShards:
     client: ReplicaClient | None
     groups: list[dict[str, Any]]
     partitioned: bool
+    pipeline: dist.ProcessGroup | None  # a pipeline's stages: they clip one norm together
     layerwise: bool
     phase: int
     step: int
@@ -160,7 +163,7 @@ class OnShards:
                 parts.sync_grads(model)
             if clip is None:
                 return None
-            return {"grad_norm": float(clip_gradients(pushed, clip))}
+            return {"grad_norm": float(clip_gradients(pushed, clip, self.pipeline))}
 
         from scaleout.ps import ReplicaClient  # imports Ray: only Downpour's workers need it
 
@@ -218,7 +221,7 @@ class OnShards:
             "loss": loss_sum / steps if steps else None,
             "compute_s": round(compute_s, 6),
         }
-        if self.partitioned:
+        if self.partitioned or self.pipeline is not None:
             info["worker"] = self.role.rank
         return info
 

@@ -57,7 +57,8 @@ class WorkerState:
         """The whole replica's weights (assembled over a grid), its optimizer's state (under
         Downpour, DiLoCo's inner one only) and the RNG, in strategy "single"'s format."""
         if self.pipelined:  # a collective: rank 0 gathers every stage's part
-            return self._gathered_stages()
+            with self._shard_values():
+                return self._gathered_stages()
         if self.sharded:  # a collective: rank 0 gets the whole state, the others nothing
             tensors, meta = fsdp.full_state(self.model, self.optimizer)
             tensors["rng.torch"] = torch.get_rng_state()
@@ -74,7 +75,7 @@ class WorkerState:
         """The whole model's state, assembled on the pipeline's first stage from every
         stage's part (the other stages get empty dicts); pipeline k's stage s is rank
         k * stages + s, so the first pipeline's RNG states are the ranks' own."""
-        assert isinstance(self.model, stages.Stage) and self.optimizer is not None
+        assert isinstance(self.model, stages.Stage)
         tensors, meta = stages.stage_state(self.model, self.optimizer, self.stage_index)
         mine = (on_cpu_shared_once(tensors), meta, torch.get_rng_state())
         first = self.role.stage == 0
@@ -165,7 +166,10 @@ class WorkerState:
 
     def load_weights(self, tensors: dict[str, Tensor], source: str) -> None:
         """Take the model weights of a checkpoint (a Downpour replica restored from it)."""
-        if self.partitioned:
+        if self.pipelined:
+            assert isinstance(self.model, stages.Stage)
+            stages.load_stage_weights(self.model, tensors, source)
+        elif self.partitioned:
             weights = {
                 k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")
             }

@@ -13,7 +13,8 @@ def check_replica_steps(job: Job, grid: bool) -> None:
     """What a Downpour step can be, one line each otherwise: the shards step the optimizer
     on flat slices (element-wise only); a replica pushes gradients and steps no optimizer
     of its own, so fp16's loss scaling (a GradScaler steps an optimizer) has no place; a
-    grid replica's gradient is in parts, whose global norm is not clipped here."""
+    grid replica's gradient is in parts, whose global norm is not clipped here (a
+    pipeline's stages clip theirs together: `grid` is False for them)."""
     check_elementwise(job.optimizer_options())
     if job.run.precision == "fp16":
         raise ConfigError(
@@ -28,8 +29,8 @@ def check_replica_steps(job: Job, grid: bool) -> None:
 def check_asynchrony(opts: DownpourSection, grid: bool) -> None:
     """What DiLoCo and bounded staleness need, one line each otherwise: both fetch after
     their own push is applied (no fetch and push threads), DiLoCo once per push, bounded
-    staleness at least once; neither runs on a model-parallel grid, whose workers fetch
-    and push in step."""
+    staleness at least once; neither runs on a model-parallel grid or pipeline, whose
+    workers fetch and push in step."""
     wanted = []
     if opts.mode == "diloco":
         wanted.append('downpour.mode = "diloco"')
@@ -55,6 +56,7 @@ def check_asynchrony(opts: DownpourSection, grid: bool) -> None:
         )
     if grid:
         raise ConfigError(
-            f"{' and '.join(wanted)} need replicas of one worker: a model-parallel grid's "
-            "workers fetch and push in step; set model_parallel.grid = [1, 1]"
+            f"{' and '.join(wanted)} need replicas of one worker: a model-parallel "
+            "replica's workers fetch and push in step; set model_parallel.grid = [1, 1] "
+            "and model_parallel.stages = 1"
         )

@@ -1,9 +1,9 @@
-"""A Downpour replica: one worker actor, or a model-parallel grid of them.
+"""A Downpour replica: one worker actor, or a model-parallel grid or pipeline of them.
 
 Both answer the same `Worker` methods; the strategy starts calls asynchronously (`submit`)
 and waits on any replica's. A replica of one worker that dies (or raises) can be restarted
-where it stopped; a grid replica cannot go on without one of its workers (the others wait
-for it in a collective), so its failure stops the run with `WorkerDied`.
+where it stopped; a grid or pipeline replica cannot go on without one of its workers (the
+others wait for it in a collective), so its failure stops the run with `WorkerDied`.
 """
 
 from __future__ import annotations
@@ -51,13 +51,16 @@ class Replica:
             self.started = self.actor.start.remote()
             self.size = 1
         else:
-            role = Role(
-                name=role.name,
-                replica=replica_id,
-                num_replicas=num_replicas,
-                grid=(grid.grid[0], grid.grid[1]),
-                transport=grid.transport,
+            layout: dict[str, Any] = (
+                dict(
+                    stages=grid.stages,
+                    microbatches=grid.num_microbatches,
+                    pipeline_schedule=grid.schedule,
+                )
+                if grid.stages > 1
+                else dict(grid=(grid.grid[0], grid.grid[1]), transport=grid.transport)
             )
+            role = Role(name=role.name, replica=replica_id, num_replicas=num_replicas, **layout)
             self.group = ActorWorkers(
                 job,
                 role,

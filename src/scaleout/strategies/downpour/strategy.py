@@ -7,11 +7,12 @@ steps and push accumulated gradients every `n_push` steps, straight to the shard
 (`ReplicaClient`). The strategy only hands out chunks of steps to whichever replicas are
 free, collects their per-push records (`pushes.jsonl`), and restarts what dies.
 
-A replica is one worker, or a model-parallel grid (`model_parallel.grid` with more than one
-worker, a `SparseAutoencoderNetwork`): worker w of every grid pulls from and pushes to the
-shards that hold worker w's part of the parameters, and the grid's rank 0 keeps its
-replicated parameters (alpha) on shards of their own. Each parameter group is a separate
-set of shards, stepping with its group's learning rate.
+A replica is one worker, a model-parallel grid (`model_parallel.grid` with more than one
+worker, a `SparseAutoencoderNetwork`) or a pipeline (`model_parallel.stages`): worker w of
+every replica pulls from and pushes to the shards that hold worker w's part of the
+parameters (a grid's rank 0 keeps its replicated parameters, alpha, on shards of their own;
+a pipeline's stages hold disjoint parts, and clip the whole replica's gradient together).
+Each parameter group is a separate set of shards, stepping with its group's learning rate.
 
 Layer-wise models (the sparse autoencoder) train phase by phase: at each phase's start,
 replica 0 fits the phase's start on its first minibatch and its values start the phase's
@@ -64,6 +65,7 @@ from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT, plot_sta
 from scaleout.strategies.layout import (
     ModelParallelSection,
     check_partitionable,
+    check_pipeline,
 )
 from scaleout.strategies.worker import chunk_of
 from scaleout.train.job import Job
@@ -81,20 +83,23 @@ class Downpour(ReplicaFailures):
         self.job, self.cfg = job, job.train
         self.opts = job.section("downpour", DownpourSection)
         grid = job.section("model_parallel", ModelParallelSection)
-        if grid.stages > 1:
+        if grid.tensor > 1:
             raise ConfigError(
-                f"model_parallel.stages = {grid.stages} with Downpour: replicas of pipeline "
-                'stages are not built yet; use train.strategy = "model_parallel" or 1 stage'
+                f"model_parallel.tensor = {grid.tensor} with Downpour: a replica may be a grid "
+                'or a pipeline (model_parallel.stages); use train.strategy = "model_parallel" '
+                "for tensor-parallel layers"
             )
-        self.grid = grid if grid.num_workers > 1 else None
-        if self.grid is not None:
+        self.grid = grid if grid.num_workers > 1 else None  # each replica a grid or pipeline
+        if grid.stages > 1:
+            check_pipeline(job, grid)
+        elif self.grid is not None:
             check_partitionable(job, self.name, grid.grid)
-            if self.opts.threads is True:
-                raise ConfigError(
-                    "downpour.threads = true needs replicas of one worker: a model-parallel "
-                    "grid's workers fetch and push in step; set model_parallel.grid = [1, 1] "
-                    "or downpour.threads = false"
-                )
+        if self.grid is not None and self.opts.threads is True:
+            raise ConfigError(
+                "downpour.threads = true needs replicas of one worker: a model-parallel "
+                "replica's workers fetch and push in step; set model_parallel.grid = [1, 1] "
+                "and model_parallel.stages = 1, or downpour.threads = false"
+            )
         probe = job.probe
         if (
             probe is not None
@@ -111,7 +116,7 @@ class Downpour(ReplicaFailures):
                 f"{probe.train_size} examples, and each replica trains on a part of its own; "
                 f"use at most {probe.train_size} replicas or more data"
             )
-        check_replica_steps(job, self.grid is not None)
+        check_replica_steps(job, self.grid is not None and grid.stages == 1)
         check_asynchrony(self.opts, self.grid is not None)
         self.run = RunDir(job.run_dir)
         num = self.opts.num_replicas
@@ -460,7 +465,9 @@ class Downpour(ReplicaFailures):
         return fields
 
     def evaluate(self) -> dict[str, float]:
-        return self._ask_first_alive("evaluate", doing="evaluating")[0]
+        # the first worker that measured: rank 0, or a pipeline's last stage
+        answers = self._ask_first_alive("evaluate", doing="evaluating")
+        return next(a for a in answers if a is not None)
 
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         self.lanes.checkpoint()
