@@ -91,6 +91,23 @@ def test_two_stages_take_single_steps(ray_session, tmp_path, schedule):
     assert abs(piped.final_test_accuracy - single.final_test_accuracy) < 1e-3
 
 
+def test_stages_that_send_8bit_take_the_steps_of_one_process_compressing_the_cut(
+    ray_session, tmp_path
+):
+    """compress.codec = "dynamic8": each micro-batch's activation crosses to the next stage
+    8-bit, and its gradient comes back 8-bit; one process that passes the activation at
+    the same cut through the codec both ways takes the same steps."""
+    piped = fit(cnn_config(tmp_path, "coded", "model_parallel"), 'compress.codec="dynamic8"')
+    config = cnn_config(tmp_path, "single", "single")
+    config["model"] = {
+        "factory": "tests.pipeline_models:coded_cut_cnn",
+        "kwargs": {"codec": "dynamic8", "width": 8},
+    }
+    single = fit(config, "train.accumulate_steps=4")
+    assert_close_states(final(piped), final(single))
+    assert abs(piped.final_test_accuracy - single.final_test_accuracy) < 1e-3
+
+
 @pytest.mark.slow
 def test_a_pipeline_resumes_exactly_and_its_checkpoint_in_one_process(ray_session, tmp_path):
     """Stopped at step 30 and resumed: the steps of the run that was not stopped (each

@@ -187,6 +187,38 @@ def test_pipeline_messages_are_the_micro_batches_activations_and_their_gradients
     assert result.wire_bytes == steps * microbatches * 2 * 4 * x.numel()
 
 
+def test_coded_pipeline_messages_are_the_payloads_a_stage_sends_and_cost_their_coding():
+    """`compress.codec = "dynamic8"`: each crossing moves the payload the first stage's
+    real activation encodes to (`encode_activation`), both ways; on a free link, a codec
+    takes 1 ns a value to encode and to decode adds both to each stage's passes."""
+    from scaleout.compress.activations import activation_codec, encode_activation
+
+    microbatches, steps = 4, 2
+    config = pipeline_config("gpipe", microbatches, 'compress.codec="dynamic8"')
+    setting = setting_for(config, 2, steps, Link(1e9, 1e-5))
+    free_codec = CodecCost(sizes=[1], encode_ns=[0.0], decode_ns=[0.0])
+    setting.calibration.codecs["dynamic8"] = free_codec
+    sim = PipelineSim(config, setting)
+    result = sim.run()
+    micro = config.train.batch_size // microbatches
+    model, x = config.model.build(), torch.zeros(micro, 1, 28, 28)
+    for name in sim.plans[0].names:
+        x = model.get_submodule(name)(x)
+    payload = encode_activation(x, activation_codec(config.compress.build()))
+    assert payload.numel() < 0.26 * x.numel()  # 8-bit: about a quarter of fp32's bytes
+    assert result.wire_bytes == steps * microbatches * 2 * 4 * payload.numel()
+    uncoded = setting_for(config, 2, steps, FREE_LINK)
+    uncoded.calibration.codecs["dynamic8"] = free_codec
+    free = PipelineSim(config, uncoded)
+    costly = setting_for(config, 2, steps, FREE_LINK)
+    costly.calibration.codecs["dynamic8"] = CodecCost(sizes=[1], encode_ns=[1.0], decode_ns=[1.0])
+    coded = PipelineSim(config, costly)
+    for stage in range(2):
+        added = coded.forward_s[stage] + coded.backward_s[stage]
+        plain = free.forward_s[stage] + free.backward_s[stage]
+        assert added == pytest.approx(plain + 2 * x.numel() * 1e-9)
+
+
 def test_fsdp_adds_its_calibrated_local_work_to_every_step():
     """`ModelCost.fsdp_s` (FSDP2's hooks and copies, measured in one process) replaces the
     copies priced by bytes: on a free link each step is that much longer."""
@@ -234,3 +266,12 @@ def test_fsdp_with_a_codec_moves_its_payloads():
     per_step = sum((2 if name == "" else 3) * packed(numel) for name, numel in units if numel)
     checkpoint = sum(packed(numel) for _, numel in units if numel)
     assert result.wire_bytes == 2 * (steps * per_step + checkpoint)
+
+
+def test_downpour_pipelines_have_no_simulation_yet_in_one_line():
+    from scaleout.errors import ConfigError
+    from scaleout.sim.simulate import simulation_for
+
+    with pytest.raises(ConfigError, match='"downpour" with model_parallel.stages') as caught:
+        simulation_for("downpour", pipelined=True)
+    assert "\n" not in str(caught.value)

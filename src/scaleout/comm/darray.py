@@ -43,7 +43,6 @@ the plan from the same global windows).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -55,8 +54,8 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from scaleout.comm.windows import Window, intersections
-from scaleout.compress import Codec, Encoded
-from scaleout.compress.payload import layout, pack, packed_size, unpack
+from scaleout.compress import Codec
+from scaleout.compress.wire import from_wire, to_wire, wire_bytes
 
 __all__ = ["DistributedArray", "ExchangePlan", "Transport", "exchange"]
 
@@ -153,41 +152,6 @@ def _empty_like(local: Tensor, shape: tuple[int, int]) -> Tensor:
     return buffer.permute([order.index(d) for d in range(4)])
 
 
-def _piece_bytes(codec: Codec | None, shape: tuple[int, ...], like: Tensor) -> int:
-    """Bytes a piece of `shape` takes on the wire: raw, or packed codes and scales."""
-    if codec is None or not codec.encodes(math.prod(shape)):
-        return math.prod(shape) * like.element_size()
-    return packed_size(_layout_like(codec, shape, like))
-
-
-def _layout_like(codec: Codec, shape: tuple[int, ...], like: Tensor) -> Encoded:
-    """An `Encoded` with the layout `codec` gives a tensor of `shape` (for `unpack`)."""
-    if getattr(codec, "absmax", True) is False:  # fixed-scale table codecs: one scale
-        block = 0
-    else:
-        block = getattr(codec, "block_size", None) or 0
-    num_codes, num_scales = layout(codec.name, math.prod(shape), block)
-    codes = torch.empty(num_codes, dtype=torch.uint8, device=like.device)
-    scales = torch.empty(num_scales, dtype=torch.float32, device=like.device)
-    return Encoded(codec.name, like.dtype, shape, codes, scales, block)
-
-
-def _send_piece(codec: Codec, piece: Tensor, key: tuple) -> Tensor:
-    """A piece as the bytes it travels as: packed codes and scales, or, where the codec
-    sends its size raw, its own values' bytes."""
-    if codec.encodes(piece.numel()):
-        return pack(codec.encode(piece, key))
-    return codec.raw(piece, key).contiguous().view(torch.uint8)
-
-
-def _as(received: Tensor, dtype: torch.dtype) -> Tensor:
-    """Raw bytes received as values of `dtype` (copied where they do not start on a value's
-    boundary: a view of one buffer after packed pieces of any length)."""
-    if received.storage_offset() % dtype.itemsize:
-        received = received.clone()
-    return received.view(dtype)
-
-
 def exchange(
     local: Tensor,
     plan: ExchangePlan,
@@ -205,22 +169,15 @@ def exchange(
     remote_sends = [(j, p) for j, p in plan.sends if j != plan.rank]
     remote_receives = [(j, p) for j, p in plan.receives if j != plan.rank]
     outgoing = [local[(..., *p.relative_to(plan.output))].reshape(-1) for _, p in remote_sends]
-    layouts: list[Encoded | None] = []  # per piece received: its layout, None when raw
     if codec is None:
         recv_sizes = [p.num_pixels * n * c for _, p in remote_receives]
         empty = local.new_empty(0)  # gives the transport's buffers their dtype and device
     else:
         # one key per piece, for codecs that keep scales per key (refresh_every > 1)
         keys = [(plan.output, plan.input, j) for j, _ in remote_sends]
-        outgoing = [_send_piece(codec, t, key) for t, key in zip(outgoing, keys, strict=True)]
-        for _, p in remote_receives:
-            shape = (n, c, *p.shape)
-            encoded = codec.encodes(math.prod(shape))
-            layouts.append(_layout_like(codec, shape, local) if encoded else None)
-        recv_sizes = [
-            packed_size(e) if e is not None else p.num_pixels * n * c * local.element_size()
-            for e, (_, p) in zip(layouts, remote_receives, strict=True)
-        ]
+        outgoing = [to_wire(codec, t, key) for t, key in zip(outgoing, keys, strict=True)]
+        shapes = [(n, c, *p.shape) for _, p in remote_receives]
+        recv_sizes = [wire_bytes(codec, shape, local.dtype) for shape in shapes]
         empty = local.new_empty(0, dtype=torch.uint8)  # packed codes and scales
     incoming: list[Tensor] = []
     if plan.collective:
@@ -234,8 +191,8 @@ def exchange(
         )
     if codec is not None:
         incoming = [
-            codec.decode(unpack(t, e)).to(local.dtype) if e is not None else _as(t, local.dtype)
-            for t, e in zip(incoming, layouts, strict=True)
+            from_wire(codec, t, shape, local.dtype).reshape(-1)
+            for t, shape in zip(incoming, shapes, strict=True)
         ]
     if plan.is_identity:
         return local[(..., *plan.input.relative_to(plan.output))]
@@ -375,10 +332,9 @@ class DistributedArray:
         """Bytes this worker puts on the wire in one exchange of a (batch, channels, H, W)
         array (packed codes and scales with a codec); `backward`: in the exchange of its
         gradient, which sends back what the forward received."""
-        like = torch.empty(0, dtype=dtype)
         pieces = self.plan.receives if backward else self.plan.sends
         return sum(
-            _piece_bytes(self.codec, (batch, channels, *piece.shape), like)
+            wire_bytes(self.codec, (batch, channels, *piece.shape), dtype)
             for j, piece in pieces
             if j != self.plan.rank
         )
@@ -393,12 +349,11 @@ class DistributedArray:
         """{(i, j): bytes worker i sends worker j} in one exchange, for every pair of
         distinct workers that exchange anything (what a simulator of the whole grid needs;
         `bytes_sent` is row `rank` of it)."""
-        like = torch.empty(0, dtype=dtype)
         out = {}
         for (i, j), piece in intersections(self.outputs, self.inputs).items():
             if i != j:
                 pair = (j, i) if backward else (i, j)
-                out[pair] = _piece_bytes(self.codec, (batch, channels, *piece.shape), like)
+                out[pair] = wire_bytes(self.codec, (batch, channels, *piece.shape), dtype)
         return out
 
     def __call__(self, local: Tensor) -> Tensor:

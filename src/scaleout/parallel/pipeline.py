@@ -3,7 +3,7 @@
 
     stages_group, replicas_group = pipeline_groups(world, stages=2, device=device)
     runner = PipelineRunner(stage, stages_group, microbatches=4, schedule="1f1b", loss=loss,
-                            device=device)
+                            device=device, codec=None)  # a codec: activations 8-bit
     out = runner.train_step(x, y)           # forward + backward; the merged output (N, ...)
                                             # on the last stage, None on the others
     relayed = runner.relay(x)               # one forward for evaluation, no gradients
@@ -12,8 +12,9 @@ Every stage of a pipeline reads the same batch (the first uses x, the last y). T
 scales each micro-batch's loss by 1/microbatches, so the gradient is the whole batch's mean,
 as one process computes it. Several pipelines train data-parallel: rank r is stage
 r % stages of pipeline r // stages, and each stage averages its gradient with the same
-stage of the other pipelines (`replicas_group`). Why torch's schedules and device mesh: they
-are the ones torchtitan runs.
+stage of the other pipelines (`replicas_group`). With a codec, the activations and their
+gradients cross between stages as its payloads (`scaleout.compress.activations`). Why
+torch's schedules and device mesh: they are the ones torchtitan runs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from scaleout.compress import Codec
+from scaleout.compress.activations import CodedStage, activation_codec, payload_numel
 from scaleout.parallel.data_parallel import average_tensors
 
 ScheduleName = Literal["gpipe", "1f1b"]
@@ -58,7 +62,8 @@ def average_gradients(module: nn.Module, replicas: dist.ProcessGroup | None) -> 
 
 class PipelineRunner:
     """This rank's stage (its module `stage`) of the pipeline `group` (the stage's index is
-    the rank in it) under schedule `schedule`."""
+    the rank in it) under schedule `schedule`; with `codec`, activations and their
+    gradients cross between stages as its payloads."""
 
     def __init__(
         self,
@@ -68,34 +73,27 @@ class PipelineRunner:
         schedule: ScheduleName,
         loss: Callable[[Tensor, Tensor], Tensor],
         device: torch.device,
+        codec: Codec | None = None,
     ) -> None:
         self.stage, self.group, self.device = stage, group, device
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
-        pipe = PipelineStage(stage, self.rank, self.world, device, group=group)
-        self.schedule = SCHEDULES[schedule](pipe, microbatches, loss_fn=loss)
-        self.microbatches = microbatches
-        self._inferred = False  # the first step infers the stages' shapes with a forward
-
-    def _counters(self) -> dict[str, Tensor]:
-        """BatchNorm's `num_batches_tracked`: the shape inference's forward counts too."""
-        return {n: b for n, b in self.stage.named_buffers() if n.endswith("num_batches_tracked")}
+        self.codec = activation_codec(codec) if codec is not None else None
+        # what runs: the stage, between codec payloads where it receives and sends
+        self.module: nn.Module = stage
+        if self.codec is not None:
+            self.module = CodedStage(stage, self.codec, not self.first, not self.last)
+        self.microbatches, self.loss = microbatches, loss
+        self.schedule_class = SCHEDULES[schedule]
+        self.schedule: PipelineScheduleSingle | None = None  # built at the first step (`_build`)
 
     def train_step(self, x: Tensor, y: Tensor) -> Tensor | None:
         """Forward and backward of one batch over every stage; the gradients add up in
         this stage's `.grad`. The last stage returns the merged output (detached)."""
         if self.first and self.last:
             raise AssertionError("a pipeline of one stage needs no runner")
-        if not self._inferred:
-            self._inferred = True
-            counted = {n: b.clone() for n, b in self._counters().items()}
-            out = self._step(x, y)
-            for name, buffer in self._counters().items():  # one count per micro-batch
-                buffer.copy_(counted[name] + self.microbatches)
-            return out
-        return self._step(x, y)
-
-    def _step(self, x: Tensor, y: Tensor) -> Tensor | None:
+        if self.schedule is None:
+            self.schedule = self._build(x)
         if self.first:
             self.schedule.step(x)
             return None
@@ -105,19 +103,68 @@ class PipelineRunner:
         self.schedule.step()
         return None
 
+    def _build(self, x: Tensor) -> PipelineScheduleSingle:
+        """The schedule, with every stage's input and output shapes given (torch's static
+        mode, so no step runs to infer them): each stage runs one micro-batch of zeros in
+        eval mode (no statistics or dropout draws) and tells the next stage what it sends."""
+        micro = x[: len(x) // self.microbatches]
+        was_training = self.stage.training
+        self.stage.eval()
+        with torch.no_grad():
+            if self.first:
+                inputs = micro
+            else:
+                shape, dtype = self._receive_header()
+                inputs = torch.zeros(shape, dtype=dtype, device=self.device)
+            out = self.stage(inputs)
+        self.stage.train(was_training)
+        if not self.last:
+            self._send_header(out)
+        received = micro if self.first else self._crossing(inputs)
+        sent = out if self.last else self._crossing(out)
+        pipe = PipelineStage(
+            self.module,
+            self.rank,
+            self.world,
+            self.device,
+            input_args=received,
+            output_args=sent,
+            group=self.group,
+        )
+        return self.schedule_class(pipe, self.microbatches, loss_fn=self.loss)
+
+    def _crossing(self, activation: Tensor) -> Tensor:
+        """A tensor shaped as what crosses between stages for `activation`: itself, or
+        its payload under the codec; it carries a gradient back."""
+        shape, dtype = tuple(activation.shape), activation.dtype
+        if self.codec is not None:
+            shape, dtype = (payload_numel(self.codec, shape, dtype),), torch.float32
+        return torch.empty(shape, dtype=dtype, device=self.device, requires_grad=True)
+
     @torch.no_grad()
     def relay(self, x: Tensor) -> Tensor | None:
         """This stage's part of one forward pass (the first from `x`, the others from the
         previous stage's activation); the last stage returns the output, the others send
         theirs on and return None."""
         inputs = x if self.first else self._receive()
-        out = self.stage(inputs)
+        out = self.module(inputs)
         if self.last:
             return out
         self._send(out)
         return None
 
     def _send(self, tensor: Tensor) -> None:
+        self._send_header(tensor)
+        dist.send(tensor.contiguous(), group=self.group, group_dst=self.rank + 1)
+
+    def _receive(self) -> Tensor:
+        shape, dtype = self._receive_header()
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(tensor, group=self.group, group_src=self.rank - 1)
+        return tensor
+
+    def _send_header(self, tensor: Tensor) -> None:
+        """`tensor`'s shape and dtype, to the next stage."""
         if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
             raise ValueError(
                 f"a pipeline stage's output must be a float tensor of at most {_HEADER - 2} "
@@ -127,16 +174,12 @@ class PipelineRunner:
         header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
         dist.send(header.to(self.device), group=self.group, group_dst=self.rank + 1)
-        dist.send(tensor.contiguous(), group=self.group, group_dst=self.rank + 1)
 
-    def _receive(self) -> Tensor:
+    def _receive_header(self) -> tuple[list[int], torch.dtype]:
         header = torch.zeros(_HEADER, dtype=torch.long, device=self.device)
         dist.recv(header, group=self.group, group_src=self.rank - 1)
         header = header.cpu()
-        shape = header[2 : 2 + int(header[1])].tolist()
-        tensor = torch.empty(shape, dtype=_DTYPES[int(header[0])], device=self.device)
-        dist.recv(tensor, group=self.group, group_src=self.rank - 1)
-        return tensor
+        return header[2 : 2 + int(header[1])].tolist(), _DTYPES[int(header[0])]
 
 
 class Relayed(nn.Module):

@@ -15,7 +15,8 @@ backward (B) micro-batches:
 - "1f1b": min(M, S - s) F on stage s, then B and F in turn, then the B left;
 
 a stage's F of micro-batch m waits for stage s - 1's activation of m, its B for stage
-s + 1's gradient of m (a message the size of the activation, fp32; bf16 under autocast);
+s + 1's gradient of m (a message the size of the activation, fp32; bf16 under autocast;
+with `[compress]`, the codec's payload, and an encode and a decode on either side);
 sending does not hold the sender. Compute per micro-batch is the model's step at the
 micro-batch's size (`ModelCost.step_s`: its fixed share is paid per micro-batch, as the
 schedule calls forward per micro-batch) times the stage's share, forward and backward as
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from scaleout.compress.activations import activation_codec, payload_numel
 from scaleout.errors import ConfigError
 from scaleout.parallel import stages as pipeline_stages
 from scaleout.sim.engine import Process
@@ -48,18 +50,20 @@ from scaleout.sim.sync import (
     ring_allreduce,
     ring_send,
 )
+from scaleout.sim.wire import link_codec_speed
 from scaleout.strategies.layout import ModelParallelSection
 
 
 @dataclass(frozen=True)
 class StagePlan:
     """One stage: its part names, share of the forward FLOPs (else of the parameters),
-    parameters, and the values it sends on per example (0 for the last)."""
+    parameters, and the values it sends on per example (0 for the last) and their shape."""
 
     names: tuple[str, ...]
     share: float
     params: int
     sends_per_example: int
+    sends_shape: tuple[int, ...] = ()  # of one example's activation, (C, H, W) say
 
 
 def stage_plans(config: Any, stages: int) -> list[StagePlan]:  # noqa: ANN401 - a RunConfig
@@ -73,7 +77,7 @@ def stage_plans(config: Any, stages: int) -> list[StagePlan]:  # noqa: ANN401 - 
     except ValueError as err:
         raise ConfigError(str(err)) from None
     x = example_input(config, model)
-    flops, sends, params = [], [], []
+    flops, sends, params, shapes = [], [], [], []
     with torch.no_grad():
         model.eval()
         for names in plan:
@@ -83,12 +87,13 @@ def stage_plans(config: Any, stages: int) -> list[StagePlan]:  # noqa: ANN401 - 
                 x = stage(x)
             flops.append(counter.get_total_flops())
             sends.append(x.numel())
+            shapes.append(tuple(x.shape[1:]))
             params.append(sum(p.numel() for p in stage.parameters()))
     sends[-1] = 0  # the last stage's output stays (the loss)
     shares = compute_shares(flops, params)
     return [
-        StagePlan(tuple(names), share, p, s)
-        for names, share, p, s in zip(plan, shares, params, sends, strict=True)
+        StagePlan(tuple(names), share, p, s, shape)
+        for names, share, p, s, shape in zip(plan, shares, params, sends, shapes, strict=True)
     ]
 
 
@@ -140,13 +145,33 @@ class PipelineSim(LockstepSim):
         backward = self.cost.backward_fraction or BACKWARD_FRACTION
         self.forward_s = [micro_s * (1 - backward) * p.share for p in self.plans]
         self.backward_s = [micro_s * backward * p.share for p in self.plans]
-        self.value_bytes = 2 if config.run.precision == "bf16" else 4
-        self.message_bytes = [
-            self.micro * p.sends_per_example * self.value_bytes for p in self.plans
-        ]
+        self.dtype = torch.bfloat16 if config.run.precision == "bf16" else torch.float32
+        compress = config.compress
+        codec = compress.build_for_collectives(link_codec_speed(self.cal, compress))
+        self.codec = activation_codec(codec) if codec is not None else None
+        self.message_bytes = [self._bytes(self.micro, p) for p in self.plans]
+        for s in range(self.stages - 1):  # a crossing's encode and decode, both ways
+            numel = self.micro * self.plans[s].sends_per_example
+            self.forward_s[s] += self._coding_s(numel, "encode")
+            self.backward_s[s] += self._coding_s(numel, "decode")
+            self.forward_s[s + 1] += self._coding_s(numel, "decode")
+            self.backward_s[s + 1] += self._coding_s(numel, "encode")
         self.compute_s = [0.0] * workers
         self.bubble: list[float] = []  # per step: the share of stage-time not computing
         self.train_s = self.trained_s = 0.0
+
+    def _bytes(self, examples: int, plan: StagePlan) -> int:
+        """The bytes `plan`'s activation (or its gradient) for `examples` crosses as: its
+        values, or the codec's payload (`scaleout.compress.activations`)."""
+        if self.codec is None:
+            return examples * plan.sends_per_example * self.dtype.itemsize
+        return 4 * payload_numel(self.codec, (examples, *plan.sends_shape), self.dtype)
+
+    def _coding_s(self, numel: int, which: str) -> float:
+        """Seconds to encode or decode one crossing of `numel` values (none sent raw)."""
+        if self.codec is None or not self.codec.encodes(numel):
+            return 0.0
+        return self.cal.codec_s(self.codec.name, numel, which)
 
     def _rank(self, pipeline: int, stage: int) -> int:
         return pipeline * self.stages + stage
@@ -233,7 +258,7 @@ class PipelineSim(LockstepSim):
                     yield arrived[s][b]
                 yield from self._compute(s, size * self.cost.eval_s * plan.share)
                 if s < self.stages - 1:
-                    nbytes = size * plan.sends_per_example * self.value_bytes
+                    nbytes = self._bytes(size, plan)
                     env.process(self._send(s, s + 1, nbytes, arrived[s + 1][b]))
 
         yield env.all_of([env.process(stage_pass(s)) for s in range(self.stages)])

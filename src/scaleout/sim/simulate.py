@@ -78,6 +78,11 @@ def simulation_for(strategy: str, pipelined: bool = False) -> Callable[..., Any]
         from scaleout.sim.pipeline import PipelineSim
 
         return PipelineSim
+    if pipelined:
+        raise ConfigError(
+            f'train.strategy = "{strategy}" with model_parallel.stages has no simulation yet: '
+            'simulate the pipeline under "model_parallel" or "sync", or 1 stage'
+        )
     if strategy not in SIMULATIONS:
         raise ConfigError(
             f"train.strategy = {strategy!r} has no simulation yet: simulate one of "

@@ -103,17 +103,12 @@ def check_pipeline(job: Job, opts: ModelParallelSection, pipelines: int = 1) -> 
     """What pipeline stages train, one line each otherwise: a supervised model that cuts
     into `stages` parts (tried on the driver, on PyTorch's meta device), micro-batches
     that divide each of the `pipelines`' slice of the batch; not yet with a grid,
-    accumulation, fp16 or a codec."""
+    accumulation or fp16. A codec compresses the activations and their gradients."""
     train = job.train
     refusals = [
         (opts.grid != [1, 1], f"model_parallel.grid = {opts.grid}: set it to [1, 1]"),
         (train.accumulate_steps > 1, "train.accumulate_steps: use model_parallel.microbatches"),
         (job.run.precision == "fp16", 'run.precision = "fp16": use "bf16"'),
-        (
-            job.compress.codec != "fp32",
-            f'compress.codec = "{job.compress.codec}": the stages send fp32 activations; '
-            'use "fp32"',
-        ),
     ]
     for refused, fix in refusals:
         if refused:

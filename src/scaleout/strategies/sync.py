@@ -148,7 +148,11 @@ class Sync(Lockstep):
         job, stages = self.job, self.stages
         refusals = [
             (self.opts.mode != "allreduce", f'sync.mode = "{self.opts.mode}": use "allreduce"'),
-            (job.compress.codec != "fp32", f'compress.codec = "{job.compress.codec}": use "fp32"'),
+            (
+                job.compress.codec != "fp32",
+                f'compress.codec = "{job.compress.codec}": the pipelines average their '
+                'gradients in fp32 (not yet compressed); use "fp32"',
+            ),
         ]
         for refused, fix in refusals:
             if refused:

@@ -160,6 +160,7 @@ class Worker(WorkerState, OnShards):
                 self.role.pipeline_schedule,  # type: ignore[arg-type]
                 self.objective.loss,
                 self.device,
+                self.codec,
             )
         if self.role.tensor_plan and self.role.world > 1:
             tensor.tensor_parallel(self.model, dict(self.role.tensor_plan), self.device)
