@@ -56,8 +56,25 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class Embedding(nn.Module):
+    """Tokens (N, T) -> token plus position embeddings (N, T, D)."""
+
+    def __init__(self, vocab: int, block: int, width: int) -> None:
+        super().__init__()
+        self.block = block
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(block, width)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        t = tokens.shape[1]
+        if t > self.block:
+            raise ValueError(f"sequences of {t} tokens exceed the model's block of {self.block}")
+        positions = torch.arange(t, device=tokens.device)
+        return self.tokens(tokens) + self.positions(positions)  # (N, T, D)
+
+
 class CharGPT(nn.Module):
-    """Tokens (N, T) -> next-token logits (N, T, V); `head.weight` is `tokens.weight`."""
+    """Tokens (N, T) -> next-token logits (N, T, V); `head.weight` is `embed.tokens.weight`."""
 
     def __init__(
         self,
@@ -71,21 +88,17 @@ class CharGPT(nn.Module):
         super().__init__()
         if width % heads:
             raise ValueError(f"width = {width} must be a multiple of heads = {heads}")
-        self.block = block
-        self.tokens = nn.Embedding(vocab, width)
-        self.positions = nn.Embedding(block, width)
+        self.embed = Embedding(vocab, block, width)
         self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.tokens.weight  # tied: one parameter, two uses
+        self.head.weight = self.embed.tokens.weight  # tied: one parameter, two uses
+        # the parts the forward runs in turn: where pipeline stages may cut
+        self.pipeline_split = ["embed", *(f"blocks.{i}" for i in range(layers)), "norm", "head"]
         self.apply(_init)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        t = tokens.shape[1]
-        if t > self.block:
-            raise ValueError(f"sequences of {t} tokens exceed the model's block of {self.block}")
-        positions = torch.arange(t, device=tokens.device)
-        x = self.tokens(tokens) + self.positions(positions)  # (N, T, D)
+        x = self.embed(tokens)  # (N, T, D)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))  # (N, T, V)

@@ -21,8 +21,8 @@ from scaleout.parallel.fsdp import blocks_of
 
 
 def test_default_blocks_are_the_children_less_tied_ones_a_lists_items_in_its_place():
-    model = CharGPT(**TINY)  # tokens and head share their weight: the root keeps both
-    assert blocks_of(model, None) == ["positions", "blocks.0", "norm"]
+    model = CharGPT(**TINY)  # embed and head share the token weight: the root keeps both
+    assert blocks_of(model, None) == ["blocks.0", "norm"]
     assert blocks_of(CharGPT(**{**TINY, "layers": 3}), ["Block"]) == [
         "blocks.0",
         "blocks.1",

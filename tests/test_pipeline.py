@@ -207,7 +207,7 @@ def test_two_downpour_pipelines_resume_and_reach_single_accuracy(ray_session, tm
         (["model_parallel.microbatches=5"], "does not divide train.batch_size = 32"),
         (["model_parallel.grid=[2, 1]"], "set it to [1, 1]"),
         (["train.accumulate_steps=2"], "use model_parallel.microbatches"),
-        (['model.factory="examples.char_lm:build_model"'], "give an nn.Sequential"),
+        (['model.factory="tests.tp_models:build_tiny_lm"'], "give an nn.Sequential"),
         (
             ["sync.num_workers=2", "model_parallel.microbatches=32"],
             "train.batch_size = 32 over 2 pipelines: make the batch a multiple of 64",
@@ -227,7 +227,7 @@ def test_two_downpour_pipelines_resume_and_reach_single_accuracy(ray_session, tm
 def test_what_a_pipeline_cannot_train_is_one_line(tmp_path, overrides, message):
     strategy = "sync" if any(o.startswith("sync.") for o in overrides) else "model_parallel"
     config = cnn_config(tmp_path, "bad", strategy)
-    if any("char_lm" in o for o in overrides):
+    if any("tp_models" in o for o in overrides):
         config["model"]["kwargs"] = {}
         config["data"] = {"factory": "examples.char_lm:build_data"}
     with pytest.raises(

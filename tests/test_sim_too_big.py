@@ -275,3 +275,28 @@ def test_downpour_pipelines_have_no_simulation_yet_in_one_line():
     with pytest.raises(ConfigError, match='"downpour" with model_parallel.stages') as caught:
         simulation_for("downpour", pipelined=True)
     assert "\n" not in str(caught.value)
+
+
+def test_a_weight_tied_across_stages_costs_an_allreduce_of_its_gradient_each_step():
+    """The LM's token embedding is its output layer: the first and last stages each hold
+    it, and each step sums its gradient over the pipeline (a ring of 2: each rank sends
+    the whole fp32 gradient once)."""
+    import dataclasses
+
+    config = load_config(
+        "examples/char_lm.toml",
+        [
+            'train.strategy="model_parallel"',
+            "model_parallel.stages=2",
+            "train.eval_every=1000",
+            "train.checkpoint_every=1000",
+        ],
+    )
+    steps = 2
+    tied = PipelineSim(config, setting_for(config, 2, steps, Link(1e8, 0.0)))
+    model = config.model.build()
+    assert tied.plans[0].tied == model.head.weight.numel()
+    untied = PipelineSim(config, setting_for(config, 2, steps, Link(1e8, 0.0)))
+    untied.plans = [dataclasses.replace(p, tied=0) for p in untied.plans]
+    added = tied.run().wire_bytes - untied.run().wire_bytes
+    assert added == steps * 2 * 4 * model.head.weight.numel()

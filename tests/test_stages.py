@@ -11,7 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from scaleout.parallel.stages import _balanced_cuts, split, splittable_parts, stage_module
+from scaleout.parallel.stages import (
+    _balanced_cuts,
+    split,
+    splittable_parts,
+    stage_module,
+    tied_parameters,
+)
 
 
 def cnn() -> nn.Sequential:
@@ -93,8 +99,12 @@ def test_what_cannot_be_cut_is_one_line(model, stages, message):
     assert "\n" not in str(caught.value)
 
 
-def test_a_parameter_tied_across_stages_is_refused():
+def test_a_parameter_tied_across_stages_is_held_by_each_stage_that_uses_it():
     embed, head = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
     head.weight = embed.weight
-    with pytest.raises(ValueError, match="tied weights"):
-        split(nn.Sequential(embed, nn.ReLU(), head), 2)
+    model = nn.Sequential(embed, nn.ReLU(), nn.Linear(4, 4), head)
+    plan = split(model, 2)
+    assert plan[0][0] == "0" and plan[1][-1] == "3"  # the embedding and the head apart
+    (tied,) = tied_parameters(model, plan)
+    assert (tied.index, tied.shape, tied.stages) == (0, (4, 4), (0, 1))
+    assert tied_parameters(model, split(model, 1)) == []

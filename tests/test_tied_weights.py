@@ -1,6 +1,7 @@
 """Models whose parameters share storage (tied embeddings): saved once and tied again on
 load, counted once by the flat layouts, and trained, checkpointed and resumed under every
-strategy; a model-parallel run refuses them in one line. The same with Hugging Face's
+strategy; a model-parallel grid refuses them in one line, pipeline stages hold a copy at
+each end. The same with Hugging Face's
 `GPT2LMHeadModel` where transformers is installed. And AdamW with a cosine schedule and
 clipping on one Downpour replica equals strategy single bit for bit."""
 
@@ -112,14 +113,14 @@ def test_a_checkpoint_saves_a_tied_weight_once_and_ties_it_again(tmp_path):
     model = CharGPT(**{k: v for k, v in TINY.items()})
     path = save_checkpoint(tmp_path / "tied", model_tensors(model), {"step": 1})
     tensors, _ = load_checkpoint(path)
-    assert tensors["model.head.weight"] is tensors["model.tokens.weight"]
+    assert tensors["model.head.weight"] is tensors["model.embed.tokens.weight"]
     from safetensors.torch import load_file
 
     assert "model.head.weight" not in load_file(str(tmp_path / "tied.safetensors"))
     other = CharGPT(**TINY)
     load_model_weights(other, tensors, str(path))
-    assert other.head.weight is other.tokens.weight
-    assert torch.equal(other.tokens.weight, model.tokens.weight)
+    assert other.head.weight is other.embed.tokens.weight
+    assert torch.equal(other.embed.tokens.weight, model.embed.tokens.weight)
 
 
 def test_flat_layouts_count_a_tied_parameter_once():
@@ -127,12 +128,12 @@ def test_flat_layouts_count_a_tied_parameter_once():
     flat = FlatParameters(model)
     assert flat.numel == sum(p.numel() for p in model.parameters())
     assert flat.numel < sum(t.numel() for t in model.state_dict().values())
-    assert model.head.weight.data_ptr() == model.tokens.weight.data_ptr()  # still one
+    assert model.head.weight.data_ptr() == model.embed.tokens.weight.data_ptr()  # still one
     averaged = synced_state(model, torch.optim.SGD(model.parameters(), lr=0.1))  # sync average
     assert sum(t.numel() for t in averaged) == flat.numel  # no buffers, no momentum here
 
     untied = CharGPT(**TINY)
-    untied.head.weight = torch.nn.Parameter(untied.tokens.weight.data)  # two, one memory
+    untied.head.weight = torch.nn.Parameter(untied.embed.tokens.weight.data)  # two, one memory
     with pytest.raises(UserError, match="share memory but are two nn.Parameter objects"):
         FlatParameters(untied)
 
@@ -157,6 +158,38 @@ def test_a_model_parallel_run_refuses_a_tied_model_in_one_line(tmp_path):
 
 
 # --- Ray strategies ---------------------------------------------------------------------------
+
+
+def test_pipeline_stages_hold_the_tied_weight_at_both_ends_and_take_single_steps(
+    ray_session, tmp_path
+):
+    """The LM in 2 stages: the embedding on the first, the output layer on the last, each
+    with a copy of the tied weight whose gradients are summed before the step (clipped to
+    the whole model's norm, counted once); the steps of single with the same micro-batches,
+    and a checkpoint that saves the weight once. Downpour refuses the cut in one line."""
+    config = lm_config(tmp_path, "piped", "model_parallel")
+    config["model_parallel"] = {"stages": 2, "microbatches": 4}
+    piped = fit(config)
+    single = fit(lm_config(tmp_path, "single", "single"), "train.accumulate_steps=4")
+    (x, _), (y, _) = final(piped), final(single)
+    assert x["model.head.weight"] is x["model.embed.tokens.weight"]
+    names = [k for k in y if k.startswith(("model.", "optim."))]
+    assert names and set(names) <= set(x)
+    for name in names:
+        a, b = x[name], y[name]
+        if name.endswith("qkv.bias"):  # the key bias: its true gradient is 0, and AdamW
+            width = len(a) // 3  # scales each process's round-off to a full step
+            torch.testing.assert_close(
+                a[width : 2 * width], b[width : 2 * width], atol=1e-3, rtol=0
+            )
+            a, b = torch.cat([a[:width], a[2 * width :]]), torch.cat([b[:width], b[2 * width :]])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    assert piped.final_test_loss == pytest.approx(single.final_test_loss, rel=1e-5)
+    downpour = lm_config(tmp_path, "downpour", "downpour")
+    downpour["model_parallel"] = {"stages": 2, "microbatches": 4}
+    with pytest.raises(UserError, match="embed.tokens.weight .tied weights.") as caught:
+        prepare(downpour)
+    assert "\n" not in str(caught.value)
 
 
 def test_sync_trains_checkpoints_and_resumes_exactly(ray_session, tmp_path):
@@ -188,7 +221,7 @@ def test_downpour_trains_checkpoints_and_resumes(ray_session, tmp_path):
     second = fit(config, resume=True)
     assert second.step >= 20
     tensors, meta = final(second)
-    assert tensors["model.head.weight"] is tensors["model.tokens.weight"]
+    assert tensors["model.head.weight"] is tensors["model.embed.tokens.weight"]
     assert meta["strategy"] == "downpour" and second.final_test_loss < 4.0
     lines = read_metrics(RunDir(second.run_dir).metrics)
     assert all(line["lr"] <= 0.01 for line in lines if line.get("lr") is not None)
@@ -205,7 +238,7 @@ def test_sandblaster_trains_and_resumes_a_tied_model_and_refuses_a_schedule(ray_
     result = fit(config, resume=True)  # from the shards' state, to the config's 6
     assert result.step == 6
     tensors, _ = final(result)
-    assert tensors["model.head.weight"] is tensors["model.tokens.weight"]
+    assert tensors["model.head.weight"] is tensors["model.embed.tokens.weight"]
     losses = [r["loss"] for r in read_metrics(RunDir(result.run_dir).metrics)]
     assert [r["step"] for r in read_metrics(RunDir(result.run_dir).metrics)][-1] == 6
     assert losses[-1] < losses[0]

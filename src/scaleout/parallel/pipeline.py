@@ -19,7 +19,8 @@ torch's schedules and device mesh: they are the ones torchtitan runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -58,6 +59,30 @@ def average_gradients(module: nn.Module, replicas: dist.ProcessGroup | None) -> 
     that the pipelines step as one; nothing for one pipeline."""
     if replicas is not None:
         average_tensors([p.grad for p in module.parameters() if p.grad is not None], replicas)
+
+
+def sum_tied_gradients(
+    held: Sequence[tuple[nn.Parameter | None, tuple[int, ...]]],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> None:
+    """Sum the gradients of the parameters several stages hold (`stages.tied_parameters`,
+    in its order: this stage's copy, or None, and the shape) over the pipeline `group`, so
+    every copy steps alike; one all-reduce, nothing without tied parameters."""
+    if not held:
+        return
+    pieces = [
+        p.grad.reshape(-1).float()
+        if p is not None and p.grad is not None
+        else torch.zeros(math.prod(shape), device=device)
+        for p, shape in held
+    ]
+    flat = torch.cat(pieces)  # (sum of numels,)
+    dist.all_reduce(flat, group=group)
+    sizes = [math.prod(shape) for _, shape in held]
+    for (param, shape), total in zip(held, flat.split(sizes), strict=True):
+        if param is not None:
+            param.grad = total.view(shape).to(param.dtype)
 
 
 class PipelineRunner:

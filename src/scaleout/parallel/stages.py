@@ -7,14 +7,16 @@ outside the model (the schedules of `torch.distributed.pipelining` run them).
 
 A model splits if it is an `nn.Sequential`, or if it names, in `pipeline_split`, the
 submodules its forward runs one after another (each taking the previous one's output).
-The cut balances the parameters over the stages; a parameter shared by two stages (tied
-embeddings) cannot be cut, one line. Why contiguous parts: each stage then sends one
-activation to the next, and DistBelief's messages only cross a partition's edge.
+The cut balances the parameters over the stages; a parameter that two stages use (tied
+embeddings) is held by both, its gradient summed between them (`tied_parameters`). Why
+contiguous parts: each stage then sends one activation to the next, and DistBelief's
+messages only cross a partition's edge.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from scaleout.checkpoint import (
 
 __all__ = [
     "Stage",
+    "Tied",
     "load_stage_state",
     "load_stage_weights",
     "merge_stage_states",
@@ -36,6 +39,7 @@ __all__ = [
     "splittable_parts",
     "stage_module",
     "stage_state",
+    "tied_parameters",
     "trainable_index",
 ]
 
@@ -65,7 +69,7 @@ def splittable_parts(model: nn.Module) -> list[str]:
 def split(model: nn.Module, stages: int) -> list[list[str]]:
     """Cut `splittable_parts(model)` into `stages` contiguous runs of at least one part,
     the largest stage's parameter count as small as it can be; ValueError if there are
-    fewer parts than stages or a parameter would sit on two stages."""
+    fewer parts than stages."""
     parts = splittable_parts(model)
     if stages < 1 or stages > len(parts):
         raise ValueError(
@@ -74,9 +78,7 @@ def split(model: nn.Module, stages: int) -> list[list[str]]:
         )
     sizes = [_size(model.get_submodule(name)) for name in parts]
     cuts = _balanced_cuts(sizes, stages)
-    plan = [parts[a:b] for a, b in zip([0, *cuts], [*cuts, len(parts)], strict=True)]
-    _check_not_shared(model, plan)
-    return plan
+    return [parts[a:b] for a, b in zip([0, *cuts], [*cuts, len(parts)], strict=True)]
 
 
 def _size(module: nn.Module) -> int:
@@ -108,17 +110,33 @@ def _balanced_cuts(sizes: Sequence[int], stages: int) -> list[int]:
     return sorted(cuts)[1:]  # the first "cut" is 0
 
 
-def _check_not_shared(model: nn.Module, plan: list[list[str]]) -> None:
-    owner: dict[int, int] = {}
+@dataclass(frozen=True)
+class Tied:
+    """A parameter that several stages hold (tied weights: an embedding and the output
+    layer, say): its index among the model's trainable parameters, shape and holders."""
+
+    index: int
+    shape: tuple[int, ...]
+    stages: tuple[int, ...]
+
+
+def tied_parameters(model: nn.Module, plan: list[list[str]]) -> list[Tied]:
+    """The trainable parameters of `model` that more than one stage of `plan` uses, by
+    index. Each holder keeps a copy; their gradients are summed before a step, so the
+    copies stay one parameter (as Megatron-LM does for tied embeddings)."""
+    holders: dict[int, list[int]] = {}
     for stage, names in enumerate(plan):
         for name in names:
             for param in model.get_submodule(name).parameters():
-                if owner.setdefault(id(param), stage) != stage:
-                    raise ValueError(
-                        f"a parameter of {name!r} is also used by stage {owner[id(param)]} "
-                        "(tied weights): pipeline stages cannot share a parameter; untie it "
-                        "or use another strategy"
-                    )
+                held = holders.setdefault(id(param), [])
+                if stage not in held:
+                    held.append(stage)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [
+        Tied(i, tuple(p.shape), tuple(holders[id(p)]))
+        for i, p in enumerate(trainable)
+        if len(holders.get(id(p), ())) > 1
+    ]
 
 
 class Stage(nn.Module):
@@ -190,8 +208,8 @@ def merge_stage_states(
         scalars.update(part_meta["scalars"])
         for group, part_group in zip(groups, part_meta["param_groups"], strict=True):
             group["params"] += part_group["params"]
-    for group in groups:
-        group["params"].sort()
+    for group in groups:  # (a tied parameter's index comes from each of its holders)
+        group["params"] = sorted(set(group["params"]))
     return tensors, {"optimizer": {"param_groups": groups, "scalars": scalars}}
 
 

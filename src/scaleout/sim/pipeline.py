@@ -20,8 +20,9 @@ with `[compress]`, the codec's payload, and an encode and a decode on either sid
 sending does not hold the sender. Compute per micro-batch is the model's step at the
 micro-batch's size (`ModelCost.step_s`: its fixed share is paid per micro-batch, as the
 schedule calls forward per micro-batch) times the stage's share, forward and backward as
-measured. After the schedule, each stage's gradient is all-reduced with the same stage of
-the other pipelines (a ring, fp32), and each stage steps its share of the optimizer. An
+measured. After the schedule, the gradients of parameters that several stages hold (tied
+weights) are summed over each pipeline, each stage's gradient is all-reduced with the same
+stage of the other pipelines (rings, fp32), and each stage steps its share of the optimizer. An
 evaluation relays the test batches through the first pipeline; a checkpoint writes the
 whole model's state.
 
@@ -31,6 +32,7 @@ Placement: on one machine every stage worker shares its cores; on N machines ran
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +66,7 @@ class StagePlan:
     params: int
     sends_per_example: int
     sends_shape: tuple[int, ...] = ()  # of one example's activation, (C, H, W) say
+    tied: int = 0  # values of the model's tied parameters, summed over the stages each step
 
 
 def stage_plans(config: Any, stages: int) -> list[StagePlan]:  # noqa: ANN401 - a RunConfig
@@ -91,8 +94,9 @@ def stage_plans(config: Any, stages: int) -> list[StagePlan]:  # noqa: ANN401 - 
             params.append(sum(p.numel() for p in stage.parameters()))
     sends[-1] = 0  # the last stage's output stays (the loss)
     shares = compute_shares(flops, params)
+    tied = sum(math.prod(t.shape) for t in pipeline_stages.tied_parameters(model, plan))
     return [
-        StagePlan(tuple(names), share, p, s, shape)
+        StagePlan(tuple(names), share, p, s, shape, tied)
         for names, share, p, s, shape in zip(plan, shares, params, sends, shapes, strict=True)
     ]
 
@@ -241,7 +245,16 @@ class PipelineSim(LockstepSim):
         yield env.all_of([env.process(self._pipeline_pass(k)) for k in range(self.pipelines)])
         elapsed = (env.now - started) * len(self.compute_s)
         self.bubble.append(1 - (sum(self.compute_s) - busy) / elapsed if elapsed else 0.0)
+        tied = self.plans[0].tied
+        if tied:
+            yield env.all_of([env.process(self._sum_tied(k, tied)) for k in range(self.pipelines)])
         yield env.all_of([env.process(self._after(s)) for s in range(self.stages)])
+
+    def _sum_tied(self, pipeline: int, values: int) -> Process:
+        """The tied parameters' gradients summed over one pipeline's stages (one all-reduce
+        of all of them, fp32)."""
+        machines = [self.where[self._rank(pipeline, s)] for s in range(self.stages)]
+        yield from ring_allreduce(self.cluster, machines, 4 * values, self.cal)
 
     def _evaluate(self) -> Process:
         """The test set relayed through the first pipeline batch by batch (a stage takes

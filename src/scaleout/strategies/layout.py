@@ -18,7 +18,7 @@ from torch import nn
 from scaleout.config import Section, TimeoutSeconds
 from scaleout.errors import ConfigError
 from scaleout.parallel import PARTITIONABLE, parallelize
-from scaleout.parallel.stages import split
+from scaleout.parallel.stages import split, tied_parameters
 from scaleout.parallel.tensor import check_plan
 from scaleout.train.job import Job
 
@@ -99,11 +99,15 @@ def check_grid_steps(job: Job) -> None:
         )
 
 
-def check_pipeline(job: Job, opts: ModelParallelSection, pipelines: int = 1) -> None:
+def check_pipeline(
+    job: Job, opts: ModelParallelSection, pipelines: int = 1, tied: bool = True
+) -> None:
     """What pipeline stages train, one line each otherwise: a supervised model that cuts
     into `stages` parts (tried on the driver, on PyTorch's meta device), micro-batches
     that divide each of the `pipelines`' slice of the batch; not yet with a grid,
-    accumulation or fp16. A codec compresses the activations and their gradients."""
+    accumulation or fp16. A codec compresses the activations and their gradients. Without
+    `tied`, no parameter may sit on two stages (Downpour's stages push to shards of their
+    own)."""
     train = job.train
     refusals = [
         (opts.grid != [1, 1], f"model_parallel.grid = {opts.grid}: set it to [1, 1]"),
@@ -120,11 +124,24 @@ def check_pipeline(job: Job, opts: ModelParallelSection, pipelines: int = 1) -> 
             f"train.batch_size = {train.batch_size}{each}: make the batch a multiple of "
             f"{opts.num_microbatches * pipelines}"
         )
+
+    def cut(model: nn.Module) -> None:
+        plan = split(model, opts.stages)
+        shared = tied_parameters(model, plan)
+        if shared and not tied:
+            names = [n for n, p in model.named_parameters() if p.requires_grad]
+            name = names[shared[0].index]
+            raise ValueError(
+                f"model_parallel.stages = {opts.stages} cuts between the stages that use "
+                f"{name} (tied weights), and Downpour's stages push to shards of their own: "
+                'untie it, use fewer stages, or train.strategy = "sync"'
+            )
+
     _try_on_meta(
         job,
         f"model_parallel.stages = {opts.stages}",
         "pipeline stages train a supervised model (use model_parallel.grid)",
-        lambda model: split(model, opts.stages),
+        cut,
     )
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from scaleout.checkpoint import unshared
 from scaleout.compress.fsdp import fsdp_comms
 from scaleout.compress.link import OnLink
 from scaleout.data import derive_seed, make_loader, num_batches
@@ -56,6 +57,7 @@ from scaleout.parallel.pipeline import (
     Relayed,
     average_gradients,
     pipeline_groups,
+    sum_tied_gradients,
 )
 from scaleout.runtime import resolve_device
 from scaleout.strategies.role import Role
@@ -105,12 +107,23 @@ class Worker(WorkerState, OnShards):
         # sends raw what is faster raw, once the ranks agreed on its cost (`start`)
         self.codec = job.compress.build_for_collectives()
         self.stage_index: list[int] = []  # pipeline: the stage's parameters in the model's order
+        # pipeline: per parameter several stages hold, this stage's copy (or None), shape
+        self.tied: list[tuple[nn.Parameter | None, tuple[int, ...]]] = []
+        self.aliases: dict[str, str] = {}
         if role.stages > 1:  # this worker keeps its stage of the model
             try:
-                stage = stages.stage_module(model, stages.split(model, role.stages)[role.stage])
+                plan = stages.split(model, role.stages)
             except ValueError as err:
                 raise UserError(str(err)) from None
+            stage = stages.stage_module(model, plan[role.stage])
             self.stage_index = stages.trainable_index(model, stage)
+            self.aliases = unshared(model.state_dict())[1]  # tied names, for checkpoints
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            for tied in stages.tied_parameters(model, plan):
+                mine = trainable[tied.index] if role.stage in tied.stages else None
+                self.tied.append((mine, tied.shape))
+                if mine is not None and tied.stages[0] != role.stage:
+                    self.stepper.counted_elsewhere.append(mine)  # the first holder counts it
             model = stage
         if role.grid is not None:
             model = parallelize(model, role.grid, role.rank, None, role.transport, self.codec)  # type: ignore[arg-type]
@@ -268,6 +281,8 @@ class Worker(WorkerState, OnShards):
                 if self.partitioned:
                     parts.sync_grads(self.model)
                 if self.pipelined:
+                    assert self.pipeline is not None
+                    sum_tied_gradients(self.tied, self.pipeline, self.device)
                     average_gradients(self.model, self.replicas)
                 grad_norm = self.stepper.step(self.optimizer, self._schedule_step())
             if self.client is not None:

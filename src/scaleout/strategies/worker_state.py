@@ -39,6 +39,7 @@ class WorkerState:
     pipelined: bool
     pipeline: dist.ProcessGroup | None
     stage_index: list[int]
+    aliases: dict[str, str]  # a pipeline's tied names: {alias: name kept} in the whole model
     layerwise: bool
     phase: int
     step: int
@@ -84,6 +85,8 @@ class WorkerState:
         if parts is None:
             return {}, {}
         whole, whole_meta = stages.merge_stage_states([(t, m) for t, m, _ in parts])
+        for alias, name in self.aliases.items():  # tied copies: saved once, as one model's
+            whole[f"model.{alias}"] = whole[f"model.{name}"]
         whole["rng.torch"] = parts[0][2]  # each stage's own dropout stream: rank r's as
         for rank, (_, _, rng) in enumerate(parts[1:], start=1):  # rng.torch.<r>
             whole[f"rng.torch.{rank}"] = rng

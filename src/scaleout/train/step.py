@@ -22,7 +22,7 @@ it pushes, and the shards run 4 (`scaleout.ps`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,20 +103,26 @@ def micro_batches(batch: Sequence[Tensor], parts: int) -> list[tuple[list[Tensor
 
 @torch.no_grad()
 def clip_gradients(
-    params: Iterable[Tensor], max_norm: float, stages: dist.ProcessGroup | None = None
+    params: Iterable[Tensor],
+    max_norm: float,
+    stages: dist.ProcessGroup | None = None,
+    counted_elsewhere: Collection[Tensor] = (),
 ) -> Tensor:
     """Clip the gradients of `params` to global L2 norm `max_norm` in place, as
     `torch.nn.utils.clip_grad_norm_` does; return the norm before clipping. Split weights
     (DTensors) count whole; `stages`: a pipeline whose other stages' gradients count too
-    (each rank holds its stage's, an all-reduce of the squares)."""
+    (each rank holds its stage's, an all-reduce of the squares), except those of
+    `counted_elsewhere` (copies of tied parameters that another stage counts)."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     split = [isinstance(g, DTensor) for g in grads]
     if stages is None and (all(split) or not any(split)):  # torch's own, one kind of tensor
         norm = nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    elsewhere = {id(p) for p in counted_elsewhere}
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in elsewhere]
     squares = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    for grad in grads:
+    for grad in counted:
         norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
         squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
     if stages is not None:
@@ -142,6 +148,8 @@ class Stepper:
     schedule: Schedule = field(default_factory=Schedule)
     # a pipeline's stages: the gradient's norm is the whole model's, over this group
     stages: dist.ProcessGroup | None = None
+    # this stage's copies of tied parameters whose norm another stage counts
+    counted_elsewhere: list[Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_precision(self.precision, self.device)
@@ -215,7 +223,10 @@ class Stepper:
         norm = None
         if self.train.grad_clip_norm is not None:
             norm = clip_gradients(
-                optimizer_params(optimizer), self.train.grad_clip_norm, self.stages
+                optimizer_params(optimizer),
+                self.train.grad_clip_norm,
+                self.stages,
+                self.counted_elsewhere,
             )
         apply_lr(optimizer, self.schedule, global_step)
         if self.scaler is not None:

@@ -91,7 +91,7 @@ class Downpour(ReplicaFailures):
             )
         self.grid = grid if grid.num_workers > 1 else None  # each replica a grid or pipeline
         if grid.stages > 1:
-            check_pipeline(job, grid)
+            check_pipeline(job, grid, tied=False)
         elif self.grid is not None:
             check_partitionable(job, self.name, grid.grid)
         if self.grid is not None and self.opts.threads is True:
