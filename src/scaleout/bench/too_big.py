@@ -3,18 +3,20 @@ run instead, in time to quality, with the simulator's prediction beside each.
 
 - The LM example (`examples/char_lm.toml`, 600 steps of 32, evaluated every `EVAL_EVERY`):
   one process at 1 thread, one process at 2 threads (the box's ceiling: every core in one
-  process, nothing exchanged), sync on 2 workers with DDP (`allreduce`), and sync with
-  `fsdp`. The target is the test loss `LM_TARGET`.
+  process, nothing exchanged), sync on 2 workers with DDP (`allreduce`), sync with `fsdp`,
+  and 2 pipeline stages (1F1B, 4 micro-batches; the tied embedding held at both ends),
+  with fp32 and 8-bit activations. The target is the test loss `LM_TARGET`.
 - The Fashion-MNIST CNN (`examples/fashion_cnn.toml`, batch 32, `CNN_STEPS` steps): one
   process at 1 and 2 threads, DDP on 2 workers, and 2 pipeline stages (GPipe and 1F1B, 4
-  micro-batches). The target is the test accuracy `CNN_TARGET`.
+  micro-batches; 1F1B also with 8-bit activations). The target is the test accuracy
+  `CNN_TARGET`.
 
 Each run's examples/s is the median of its metrics lines after the first (start-up); its
 time to target is the first evaluation at or past the target (seconds since the run began,
 and examples). First `scaleout calibrate` measures both models on this machine (sync, so
 that DDP's and FSDP's own costs are measured too); each distributed run is then simulated
 with `--machines 1` and its prediction is a row beside it. Run from the repository root on
-a quiet machine (about 25 minutes).
+a quiet machine (about 35 minutes).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ RUNS: dict[str, tuple[Path, list[str], bool]] = {  # name -> config, overrides, 
     ),
     "LM, DDP, 2 workers": (LM, ["train.strategy='sync'"], True),
     "LM, FSDP, 2 workers": (LM, ["train.strategy='sync'", "sync.mode='fsdp'"], True),
+    "LM, 2 stages, 1F1B": (LM, [*STAGES, "model_parallel.schedule='1f1b'"], True),
+    "LM, 2 stages, 1F1B, 8-bit activations": (
+        LM,
+        [*STAGES, "model_parallel.schedule='1f1b'", "compress.codec='dynamic8'"],
+        True,
+    ),
     "CNN, one process, 1 thread": (CNN, [*CNN_COMMON, "train.strategy='single'"], False),
     "CNN, one process, 2 threads (ceiling)": (
         CNN,
@@ -60,6 +68,11 @@ RUNS: dict[str, tuple[Path, list[str], bool]] = {  # name -> config, overrides, 
     "CNN, 2 stages, 1F1B": (
         CNN,
         [*CNN_COMMON, *STAGES, "model_parallel.schedule='1f1b'"],
+        True,
+    ),
+    "CNN, 2 stages, 1F1B, 8-bit activations": (
+        CNN,
+        [*CNN_COMMON, *STAGES, "model_parallel.schedule='1f1b'", "compress.codec='dynamic8'"],
         True,
     ),
 }
