@@ -117,13 +117,6 @@ def check_pipeline(
     for refused, fix in refusals:
         if refused:
             raise ConfigError(f"model_parallel.stages = {opts.stages} with {fix}")
-    if train.batch_size % (opts.num_microbatches * pipelines):
-        each = f" over {pipelines} pipelines" if pipelines > 1 else ""
-        raise ConfigError(
-            f"model_parallel.microbatches = {opts.num_microbatches} does not divide "
-            f"train.batch_size = {train.batch_size}{each}: make the batch a multiple of "
-            f"{opts.num_microbatches * pipelines}"
-        )
 
     def cut(model: nn.Module) -> None:
         plan = split(model, opts.stages)
@@ -143,6 +136,13 @@ def check_pipeline(
         "pipeline stages train a supervised model (use model_parallel.grid)",
         cut,
     )
+    if train.batch_size % (opts.num_microbatches * pipelines):
+        each = f" over {pipelines} pipelines" if pipelines > 1 else ""
+        raise ConfigError(
+            f"model_parallel.microbatches = {opts.num_microbatches} does not divide "
+            f"train.batch_size = {train.batch_size}{each}: make the batch a multiple of "
+            f"{opts.num_microbatches * pipelines}"
+        )
 
 
 def check_tensor(job: Job, opts: ModelParallelSection) -> None:
