@@ -130,8 +130,9 @@ class PipelineRunner:
 
     def _build(self, x: Tensor) -> PipelineScheduleSingle:
         """The schedule, with every stage's input and output shapes given (torch's static
-        mode, so no step runs to infer them): each stage runs one micro-batch of zeros in
-        eval mode (no statistics or dropout draws) and tells the next stage what it sends."""
+        mode, so no step runs to infer them): each stage runs one micro-batch in eval mode
+        (no statistics or dropout draws; the first stage its real one, the others zeros of
+        the shape they are told) and tells the next stage what it sends."""
         micro = x[: len(x) // self.microbatches]
         was_training = self.stage.training
         self.stage.eval()
