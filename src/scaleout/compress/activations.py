@@ -28,6 +28,7 @@ from scaleout.compress.registry import get
 from scaleout.compress.wire import from_wire, to_wire, wire_bytes
 
 __all__ = [
+    "ACTIVATION_DTYPES",
     "CodedStage",
     "activation_codec",
     "decode_activation",
@@ -35,15 +36,16 @@ __all__ = [
     "payload_numel",
 ]
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+# the float dtypes an activation may have, by the id its header names them with
+ACTIVATION_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def _payload(codec: Codec, x: Tensor, key: Hashable) -> Tensor:
     """(B,) float32: [dtype, ndim, *shape] as int64, then `x`'s wire bytes, zero-padded to
     whole float32 values."""
-    if x.dtype not in _DTYPES:
+    if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"a coded pipeline activation must be a float tensor, got {x.dtype}")
-    header = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape], dtype=torch.int64)
+    header = torch.tensor([ACTIVATION_DTYPES.index(x.dtype), x.dim(), *x.shape], dtype=torch.int64)
     body = to_wire(codec, x.detach(), key)
     pad = -(header.numel() * 8 + body.numel()) % 4
     parts = [header.to(body.device).view(torch.uint8), body, body.new_zeros(pad)]
@@ -56,7 +58,7 @@ def _values(codec: Codec, payload: Tensor) -> Tensor:
     dtype_id, ndim = raw[:16].view(torch.int64).tolist()
     head = 8 * (2 + ndim)
     shape = raw[16:head].view(torch.int64).tolist()
-    dtype = _DTYPES[dtype_id]
+    dtype = ACTIVATION_DTYPES[dtype_id]
     size = wire_bytes(codec, shape, dtype)
     return from_wire(codec, raw[head : head + size].clone(), shape, dtype)
 
@@ -69,7 +71,7 @@ def payload_numel(codec: Codec, shape: tuple[int, ...], dtype: torch.dtype) -> i
 class _Encode(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, codec: Codec, key: Hashable) -> Tensor:  # noqa: ANN401
-        ctx.codec, ctx.key = codec, key
+        ctx.codec = codec  # (its backward decodes: no key)
         return _payload(codec, x, (key, "forward"))
 
     @staticmethod

@@ -31,12 +31,16 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from scaleout.compress import Codec
-from scaleout.compress.activations import CodedStage, activation_codec, payload_numel
+from scaleout.compress.activations import (
+    ACTIVATION_DTYPES,
+    CodedStage,
+    activation_codec,
+    payload_numel,
+)
 from scaleout.parallel.data_parallel import average_tensors
 
 ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 9  # dtype, ndim, then up to 7 sizes
 
 
@@ -191,13 +195,13 @@ class PipelineRunner:
 
     def _send_header(self, tensor: Tensor) -> None:
         """`tensor`'s shape and dtype, to the next stage."""
-        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+        if tensor.dim() > _HEADER - 2 or tensor.dtype not in ACTIVATION_DTYPES:
             raise ValueError(
                 f"a pipeline stage's output must be a float tensor of at most {_HEADER - 2} "
                 f"dimensions, got {tuple(tensor.shape)} {tensor.dtype}"
             )
         header = torch.zeros(_HEADER, dtype=torch.long)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[0], header[1] = ACTIVATION_DTYPES.index(tensor.dtype), tensor.dim()
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
         dist.send(header.to(self.device), group=self.group, group_dst=self.rank + 1)
 
@@ -205,7 +209,7 @@ class PipelineRunner:
         header = torch.zeros(_HEADER, dtype=torch.long, device=self.device)
         dist.recv(header, group=self.group, group_src=self.rank - 1)
         header = header.cpu()
-        return header[2 : 2 + int(header[1])].tolist(), _DTYPES[int(header[0])]
+        return header[2 : 2 + int(header[1])].tolist(), ACTIVATION_DTYPES[int(header[0])]
 
 
 class Relayed(nn.Module):
