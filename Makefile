@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 DEMO_CONFIG ?= configs/mnist_downpour.toml
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-all lint clean
+.PHONY: demo test test-slow test-all lint docs docs-serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
@@ -36,5 +37,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
 
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
+
+# make bench SUITE=async [OUT=results/async_lm]: one benchmark suite (benchmarks/)
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks $(SUITE) $(if $(OUT),--out $(OUT))
+
 clean:
-	rm -rf $(VENV) runs build src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs build site src/*.egg-info .pytest_cache .ruff_cache
