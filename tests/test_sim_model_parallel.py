@@ -254,8 +254,8 @@ def test_the_papers_hardware_files_load(name):
 def test_ding_hardware_reproduces_the_columns_it_was_fitted_to():
     """The Titan file's compute and loading come from table 1's 1-GPU columns: simulated,
     they give those columns back; two GPUs are faster, and parallel loading helps both."""
-    from scaleout.bench.papers import DING_TABLE_1
-    from scaleout.bench.sim_papers import ding
+    from benchmarks.papers import DING_TABLE_1
+    from benchmarks.sim_papers import ding
 
     table = ding()
     for gpus_loading in [(1, True), (1, False)]:

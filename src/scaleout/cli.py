@@ -3,7 +3,6 @@
     scaleout train CONFIG [--out DIR] [--resume] [--overwrite] [--set key=value ...]
     scaleout info CONFIG [--set key=value ...]
     scaleout report RUN_DIR
-    scaleout bench SUITE | --list
     scaleout calibrate [CONFIG ...] [--out FILE] [--set key=value ...]
     scaleout simulate CONFIG [--machines 1,2,...] [--link 1gbit] [--sweep key=v1,v2] ...
 
@@ -101,51 +100,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from scaleout.bench import available_suites, run_suite
-
-    if args.list or args.suite is None:
-        for suite in available_suites().values():
-            out.print(f"{suite.name:16} {suite.description}")
-        return 0
-    document, json_path, png_path = run_suite(args.suite, args.out)
-    table = Table(title=f"bench {args.suite}")
-    for column in ("figure", "ours", "unit", "paper", "target", "meets"):
-        table.add_column(column, justify="left" if column in ("figure", "unit") else "right")
-    for row in document["rows"]:
-        better = "<=" if row["better"] == "lower" else ">="
-        table.add_row(
-            row["name"],
-            f"{row['value']:.4g}",
-            row["unit"],
-            "" if row["paper"] is None else f"{row['paper']:.4g}",
-            "" if row["target"] is None else f"{better} {row['target']:.4g}",
-            {True: "[green]yes", False: "[red]no", None: ""}[row["meets"]],
-        )
-    out.print(table)
-    for note in document["notes"]:
-        out.print(f"note: {note}")
-    if document["contended"]:
-        err.print(f"warning: {document['notes'][0]}")
-    out.print(f"wrote {json_path} and {png_path}")
-    return 0
-
-
 def _calibrate(args: argparse.Namespace) -> int:
     from scaleout.api import load_config
     from scaleout.sim.calibrate import calibrate
 
     configs = [load_config(path, list(args.set)) for path in args.configs or [DEMO_CONFIG]]
     calibration = calibrate(configs, say=lambda line: err.print(f"measuring {line}"))
-    if args.testnet:
-        from scaleout.bench.testnet import measure_network
-        from scaleout.sim.measure_calls import shard_message_sizes
-
-        err.print(f"measuring a link and shard calls across two testnet hosts at {args.testnet}")
-        sizes = shard_message_sizes(configs, calibration.models)
-        network = measure_network(args.testnet, calibration.apply_ns["sgd"], sizes)
-        calibration = calibration.model_copy(update=network)
-        calibration.notes["link"] = f"two ../shared/tools/testnet hosts at {args.testnet}"
     path = calibration.save(args.out)
     out.print(f"wrote {path}")
     if "contended" in calibration.notes:
@@ -256,17 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run_dir", type=Path, help="a sparse_autoencoder run directory")
     evaluate.set_defaults(handler=_eval)
 
-    bench = verbs.add_parser("bench", help="run a benchmark suite (side by side with the papers)")
-    bench.add_argument("suite", nargs="?", help="suite name; --list shows them")
-    bench.add_argument("--list", action="store_true", help="list the suites")
-    bench.add_argument(
-        "--out",
-        type=Path,
-        default=Path("results"),
-        help="where to write <suite>.json and .png (default: results)",
-    )
-    bench.set_defaults(handler=_bench)
-
     calibrate = verbs.add_parser(
         "calibrate", help="measure this machine's costs for `scaleout simulate`"
     )
@@ -283,12 +232,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="as `scaleout train`, for every config (e.g. model.sizes=[784,256,10])",
     )
-    calibrate.add_argument(
-        "--testnet",
-        metavar="RATE",
-        help="also measure a link between two ../shared/tools/testnet hosts at RATE (1gbit); "
-        "`simulate --link calibrated` uses it (needs root)",
-    )
     calibrate.set_defaults(handler=_calibrate)
 
     simulate = verbs.add_parser(
@@ -300,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--link",
         default="1gbit",
         help="100mbit, 1gbit, 10gbit, ib56, a rate (250mbit), or calibrated (the link "
-        "`calibrate --testnet` measured)",
+        "stored in the calibration file)",
     )
     simulate.add_argument("--latency", type=float, help="one-way link latency in seconds")
     simulate.add_argument("--cores-per-machine", type=float, help="default: this machine's")

@@ -243,7 +243,7 @@ def recalibrate(
     (collectives after compute, checkpoints) is kept. For a machine whose speed drifts
     between a calibration and a run: this one's does, the calls more than the compute (a
     pull's fixed cost measured at 2.1 ms one time and 3.8 ms minutes later; 4.7 ms in a
-    calibration of the same morning), so the held-out runs of `scaleout bench simulate`
+    calibration of the same morning), so the held-out runs of `python -m benchmarks simulate`
     are priced by costs measured around each of them."""
     from scaleout.runtime import session
 

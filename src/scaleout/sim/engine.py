@@ -282,7 +282,7 @@ class Cluster:
         one_box: bool = False,
     ) -> None:
         """`idle_cores` of each machine are taken by background processes (Ray's own).
-        `one_box`: the machines are network namespaces of one box (`scaleout.bench.testnet`
+        `one_box`: the machines are network namespaces of one box (`benchmarks.testnet`
         hosts): each has its own link, and all share the box's `cores`."""
         if num_machines < 1:
             raise ValueError(f"need at least one machine, got {num_machines}")

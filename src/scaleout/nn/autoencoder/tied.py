@@ -6,7 +6,7 @@ Its backward writes the gradient of W~ (both uses of W and the unit-norm project
 into one weight-sized buffer. Autograd through the generic layers would hold two or three
 weight-sized gradients at once (one per use of W, one from the normalisation); for the
 1.8-billion-parameter network that is the difference between fitting in memory and not (see
-`scaleout bench local`). `SparseAutoencoderStack.objective_reference` computes the same
+`python -m benchmarks local`). `SparseAutoencoderStack.objective_reference` computes the same
 objective through the generic, separately differentiated layers; the tests hold the two
 together.
 """

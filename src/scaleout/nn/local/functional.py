@@ -3,7 +3,7 @@ hand-written backward passes, the `F.unfold` reference, and unit-norm rows.
 
 The backward passes recompute X[p] from the input instead of saving the 25x-expanded
 unfolded input, and measured faster than autograd through `F.unfold` (`local_linear_unfold`,
-kept as the reference; `scaleout bench local` measures both).
+kept as the reference; `python -m benchmarks local` measures both).
 """
 
 from __future__ import annotations
