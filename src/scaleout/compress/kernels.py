@@ -1,17 +1,17 @@
 """Fast encode/decode for the 8-bit tables: one pass over memory per direction.
 
 On the CPU, float32 and bfloat16 go to the C kernels of `scaleout.compress.native` at every
-size (the same arithmetic, bit for bit; about 1 us per call). What follows describes the
-torch kernels, which serve everything else (GPUs, float16) and the CPU where no C compiler
-is available.
+size (the same arithmetic, bit for bit, at a smaller fixed cost per call). What follows
+describes the torch kernels, which serve everything else (GPUs, float16) and the CPU where
+no C compiler is available.
 
 Encoding must find, for each magnitude a = |x| / scale, its rank among the table's
-thresholds. A binary search (`searchsorted` over 128 thresholds) costs about 40 ns per
-number here. Instead we index a lookup table by the top bits of a's float32 bit pattern:
-for a >= 0 those bits are monotone in a, and with `shift` low bits dropped each bin spans a
-relative width of at most 2^-(23 - shift). `shift` is chosen so that no bin holds more than
-one threshold; each bin's int32 entry packs the threshold's low bits and the codes below
-and above it, so one gather and one integer compare give the exact rank:
+thresholds. A binary search (`searchsorted` over 128 thresholds) takes seven dependent
+steps per number. Instead we index a lookup table by the top bits of a's float32 bit
+pattern: for a >= 0 those bits are monotone in a, and with `shift` low bits dropped each
+bin spans a relative width of at most 2^-(23 - shift). `shift` is chosen so that no bin
+holds more than one threshold; each bin's int32 entry packs the threshold's low bits and
+the codes below and above it, so one gather and one integer compare give the exact rank:
 
     entry = low_bits(threshold) | code_below << shift | code_above << (shift + 8)
     code  = code_above if low_bits(a) > low_bits(threshold) else code_below
@@ -31,16 +31,18 @@ as one int64. Both give exactly `values[code] * scale`.
 
 The indices of every gather are in range by construction (magnitudes are clamped to the
 table's top; codes are bytes), so the compiled kernels are built without inductor's
-per-element bounds assertions (`assert_indirect_indexing`), which cost about half the time.
+per-element bounds assertions (`assert_indirect_indexing`), which would add a compare and
+a branch to every gather.
 
 The kernels are plain torch functions. `torch.compile` (inductor: fused C++/OpenMP on CPU,
 Triton on GPU) turns each into one loop over memory (the absmax reduction included). The
-first compile on a machine takes up to a minute (inductor caches it on disk; later
-processes need a few seconds), and a compiled call costs about 60 us, so by default only
-tensors of at least `COMPILE_MIN_NUMEL` values use the compiled version: the environment
-variable `SCALEOUT_COMPRESS_COMPILE` (`auto`, `always`, `never`) or `compiling(mode)`
-choose otherwise (test suites: `never`). Any failure to compile falls back, with a
-warning, to the same functions run eagerly (several passes, about 4x slower).
+first compile on a machine is slow (inductor caches it on disk, so later processes compile
+faster), and a compiled call has a fixed cost that small tensors do not repay, so by
+default only tensors of at least `COMPILE_MIN_NUMEL` values use the compiled version: the
+environment variable `SCALEOUT_COMPRESS_COMPILE` (`auto`, `always`, `never`) or
+`compiling(mode)` choose otherwise (test suites: `never`). Any failure to compile falls
+back, with a warning, to the same functions run eagerly (several passes over memory, so
+slower).
 """
 
 from __future__ import annotations

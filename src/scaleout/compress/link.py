@@ -18,13 +18,12 @@ function of the message's size alone, the same on every rank.
   (extrapolated along the last two beyond them); without them (one process, a
   simulation) both are priced on `link` as rings (`allreduce_s`). The timed schedules hold
   what the rings leave out: the collectives' own fixed costs, and the codec's work on
-  every rank at once. Between two testnet hosts on this 2-core box at 10 Gbit/s, a
-  10k-value all-reduce took 0.52 ms against 0.83-0.89 ms for the 8-bit schedule, which
-  the rings priced faster; 16M values took 111 ms raw against 156 ms 8-bit, where encode
-  and decodes measured alone add up to 42 ms. A line fitted through three timed sizes
-  missed too: one disturbed size moved its fixed cost to 3.8 ms at 1 Gbit/s.
+  every rank at once, which the rings misprice at both small and large sizes. Timed sizes
+  are interpolated rather than fitted with one line, so that one disturbed timing moves
+  the price only between its neighbours.
 
-Without `agree` (one process, a simulation) the speed given, or measured here, decides.
+Without `agree` (one process, a simulation) the speed given, or measured in this process,
+decides.
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ from scaleout.compress.transfer import ENCODE_MARGIN, CodecSpeed, LinkSpeed, med
 
 def measure_speed(codec: Codec) -> CodecSpeed:
     """`codec`'s cost per message in this process: encode and serialise, then parse and
-    decode (a few milliseconds; no residual or absmax state is kept)."""
+    decode (`CodecSpeed.measure` at its default sizes and repeats; no residual or absmax
+    state is kept)."""
     probe = ("measure_speed",)
     try:
         return CodecSpeed.measure(
@@ -108,8 +108,8 @@ class OnLink(Codec):
         """Measure the codec here and, for DDP's `buckets`, time a bucket's average raw and
         8-bit between the ranks; price with the slowest rank's costs from now on (a
         collective: every rank of `group` calls it alike, once, before its first message;
-        the timing takes about 0.5 s at 1 Gbit/s, 5 s at 100 Mbit/s between two testnet
-        hosts)."""
+        the timing sends `TIMED_REPEATS` buckets of each of `TIMED_SIZES` both ways, so it
+        takes longer the slower the link)."""
         mine = self.speed or measure_speed(self.codec)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             base = self.codec.codec if isinstance(self.codec, ErrorFeedback) else self.codec

@@ -1,12 +1,12 @@
 """The 8-bit codecs' CPU kernels in C (`csrc/codec8.c`), built on first use and called
 through ctypes.
 
-Why not torch.compile on the CPU: a compiled call costs about 60 us, so below about 2^20
-values (most gradients and shard pushes) the eager torch path ran instead, at 8 ns per
-value. The C kernels cost about 1 us per call and run one loop per direction at every
-size: encode about 0.6 ns per value, decode 0.05-0.2 ns (with AVX-512 VBMI, the table
-lives in registers and 64 codes are looked up per three instructions; elsewhere a plain
-loop the compiler vectorises with gathers).
+Why not torch.compile on the CPU: a compiled call has a large fixed cost, so below
+`kernels.COMPILE_MIN_NUMEL` values (most gradients and shard pushes) the eager torch path,
+several passes over memory, would run instead. The C kernels have a small fixed cost per
+call and run one loop per direction at every size (with AVX-512 VBMI, the table lives in
+registers and 64 codes are looked up per three instructions; elsewhere a plain loop the
+compiler vectorises with gathers).
 
 The library is compiled with the machine's C compiler (`$CC`, else `cc`; `-O3
 -march=native`, never `-ffast-math`: every result must equal the torch reference bit for

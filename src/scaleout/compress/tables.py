@@ -85,7 +85,8 @@ def paper_thresholds(magnitudes: np.ndarray) -> np.ndarray:
     magnitudes: inside (T[2k], T[2k+1]] with k >= 1 it rounds toward zero (to T[2k]);
     everywhere else to the nearest, including the step between zero and T[0]. Only the
     dynamic tree's kernel is public; for the other types this is the same search applied to
-    their tables, which reproduces the paper's table within about 10% (see the benchmark)."""
+    their tables, which approximates the paper's table rather than reproducing it exactly
+    (the `codecs` benchmark compares them)."""
     thr = nearest_thresholds(magnitudes)
     first = 1 if magnitudes[0] == 0 else 0  # rank of T[0]
     for rank in range(first, len(magnitudes) - 1):

@@ -45,16 +45,13 @@ LINKS: dict[str, tuple[float, float]] = {
     "ib56": (56e9 / 8 * 64 / 66, 2e-6),  # FDR InfiniBand 4x, 64b/66b coding
 }
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(k|m|g)?(bit|b)?\s*$", re.IGNORECASE)
-# No finer pipelining: below this a piece's fixed costs (the codec's calls, a message each
-# way) are not all in `CodecSpeed` and the link's line. Two testnet hosts on 2 shared cores
-# (results/codecs_transfer.json): 1M values at 10 Gbit took 6.0 ms in pieces of 2^17 against
-# 4.5 ms in one and 5.0 ms raw; pieces of 2^20 were as fast or faster than 2^16 at 1 Gbit
-# from 4M values (3.9-4.0x raw against 3.8-4.0x) and faster at 10 Gbit (1.5x against 1.2-1.4x).
+# No finer pipelining (values per piece): below this a piece's fixed costs (the codec's
+# calls, a message each way) are not all in `CodecSpeed` and the link's line, so smaller
+# pieces are priced faster than they travel.
 MIN_CHUNK = 1 << 20
 # 8 bits only where predicted at most this share of raw's time: a codec measured once, alone,
-# costs more beside a busy network stack. The plan priced 10k values at 1 Gbit 4% faster
-# encoded and they took 1.38x raw's time (0.82 ms raw, 1.13 ms encoded, median of 500);
-# every size where 8 bits won was priced at <= 0.6x raw.
+# costs more beside a busy network stack, so a plan that predicts only a small gain from
+# encoding can be slower than raw.
 ENCODE_MARGIN = 0.8
 
 

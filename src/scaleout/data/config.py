@@ -253,8 +253,8 @@ MAX_LOADER_WORKERS = 64
 
 class LoaderSection(Section):
     # 0: load in the training process. At most MAX_LOADER_WORKERS per training process:
-    # each is a process holding its own copy of the data set's state (about 0.5 GB for
-    # MNIST), and a huge count would exhaust memory before it failed.
+    # each is a process holding its own copy of the data set's state, and a huge count
+    # would exhaust memory before it failed.
     workers: Annotated[int, Field(ge=0, le=MAX_LOADER_WORKERS)] = 0
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pin when training on CUDA
     prefetch_factor: PositiveInt = 2  # batches each loader process prepares ahead

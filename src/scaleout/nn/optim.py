@@ -13,8 +13,8 @@ scales. The learning rate of each step is the caller's, from the global step
 
 Warm-up: `warmup_steps = None` (the default) is 200 steps for Adagrad and 0 for the others.
 Adagrad needs it: its accumulator starts at 0, so its first step moves every weight by about
-lr at once (whatever its gradient), which drove the MNIST demo's loss from 2.3 to 16 and the
-speech model's from 9 (chance) to 30 before they recovered.
+lr at once (whatever its gradient), which throws the loss far above chance before training
+recovers.
 """
 
 from __future__ import annotations
@@ -200,9 +200,9 @@ def _mixed(params: list[torch.nn.Parameter] | list[dict[str, Any]]) -> bool:
 def _fused(params: list[torch.nn.Parameter] | list[dict[str, Any]]) -> bool | None:
     """Adagrad's, Adam's and AdamW's fused step (one pass over memory) where every
     parameter is a floating-point tensor on a device that has it; None (torch's default)
-    elsewhere. A parameter-server shard of the MNIST demo (0.93M values, cold caches) steps
-    Adagrad in 0.70 ms fused against 1.62 ms (Adam: 1.23 against 2.64 ms). Fused and
-    unfused differ by an ulp, so a reference to compare with is built fused too."""
+    elsewhere. Fused because a parameter-server shard's step is bound by memory traffic,
+    which the unfused steps multiply. Fused and unfused differ by an ulp, so a reference to
+    compare with is built fused too."""
     tensors = _tensors(params)
     if tensors and all(t.is_floating_point() and t.device.type in FUSED_DEVICES for t in tensors):
         return True

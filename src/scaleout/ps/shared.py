@@ -1,11 +1,9 @@
 """Slices and gradients shared through memory between the processes of one node.
 
 Through Ray, a pull makes the shard put its slice into the object store and the caller wait
-for the call's answer; a push puts the gradient into the store. On an idle 2-core machine a
-put of a 3.7 MB slice takes 2.6 ms and a pull 3.3 ms, against 0.17 ms for copying the slice;
-on a busy one each call also waits for the shard's and the raylet's processes to get a core.
-The demo's two replicas spent a third of their time pulling and pushing (18 + 12 ms per
-window of 3 steps of 18 ms).
+for the call's answer; a push puts the gradient into the store. Each such call costs many
+times a copy of the slice, and on a busy node it also waits for the shard's and the
+raylet's processes to get a core.
 
 Where a replica and a shard share a node, the shard keeps its slice in an anonymous shared
 file (`os.memfd_create`) that the replica maps: a pull is one copy under a shared lock, with

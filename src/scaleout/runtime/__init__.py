@@ -10,18 +10,17 @@ clusters, as on macOS: `security.loopback_node`). Ray protects it with a token o
 
 Its workers run at the niceness of the process that starts it (`WORKER_NICENESS`), not at
 Ray's default of 15: at 15 every daemon of Ray's own (the raylet, the GCS, the agents) and
-the driver preempt the training processes, which on a busy machine cost a Downpour replica
-a quarter of its steps (MNIST MLP, 1 thread: 40 ms a step against the single worker's 32;
-31 ms at 0). A cluster's nodes keep their own setting: start them with
-`RAY_worker_niceness=0` in the environment for the same effect.
+the driver preempt the training processes, which on a busy machine slows every step. A
+cluster's nodes keep their own setting: start them with `RAY_worker_niceness=0` in the
+environment for the same effect.
 
 An address (`"auto"`, `"host:port"`) joins a running cluster; token authentication stays on
 there (`RAY_AUTH_MODE=token` unless the user chose otherwise; see the README). Ray reads its
 config when it is imported, so setting the variable is not enough: `security.token_auth` refreshes
 Ray's config (as Ray itself does), checks that a token is there, and tries it against the
-cluster's GCS once, so a missing or rejected token is one line at once rather than twenty
-seconds of retries ending in "failed to connect" (and an address where something other than
-a GCS listens, one line after 40 s rather than twenty such waits).
+cluster's GCS once, so a missing or rejected token is one line at once rather than Ray's
+retries ending in "failed to connect" (and an address where something other than a GCS
+listens, one line after one connection timeout rather than Ray's twenty).
 
 `session()` wraps either in a context manager that shuts down what it started on exit, on
 Ctrl-C and on errors, so no process outlives a run.

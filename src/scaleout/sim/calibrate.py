@@ -1,7 +1,7 @@
 """`scaleout calibrate`: measure this machine's costs with the library's own code.
 
 What is measured, each alone on a quiet machine (medians of repeats, in rounds where the
-box drifts; calls by their mean, as a run pays the slow ones too):
+machine's speed drifts; calls by their mean, as a run pays the slow ones too):
 
 - per config's model (`measure_compute`): a training step (the config's loader, forward,
   backward) per example at 1..all threads, the share of it that does not shrink with the
@@ -75,8 +75,8 @@ EVICT_BYTES = 64 * 2**20  # more than any cache of this machine
 def measure_apply(numel: int = 1_000_000, repeats: int = 30) -> dict[str, float]:
     """ns per value of a shard's update (copy the gradient in, step), per optimizer, as a
     shard meets it in a run: each gradient new and the caches cold (a replica's compute
-    ran since the last push). Back to back, warm, Adagrad took 1.2-1.4 ns/value here and
-    SGD 0.26; cold 2.0 and 0.9, as inside a shard actor between pulls (2.0 and 1.0)."""
+    ran since the last push). Cold, because an update back to back on warm caches costs
+    less than it does inside a shard actor between pulls, and would underprice a run."""
     from scaleout.nn.optim import build_optimizer
     from scaleout.train.config import TrainSection
 
@@ -241,10 +241,9 @@ def recalibrate(
     updates for Downpour and Sandblaster; the all-reduce and the weight averaging for sync;
     the exchange for model parallel; a Downpour replica's calls after compute). The rest
     (collectives after compute, checkpoints) is kept. For a machine whose speed drifts
-    between a calibration and a run: this one's does, the calls more than the compute (a
-    pull's fixed cost measured at 2.1 ms one time and 3.8 ms minutes later; 4.7 ms in a
-    calibration of the same morning), so the held-out runs of `python -m benchmarks simulate`
-    are priced by costs measured around each of them."""
+    between a calibration and a run (the calls more than the compute, a call's fixed cost
+    from one calibration to the next), so that the held-out runs of `python -m benchmarks
+    simulate` are priced by costs measured around each of them."""
     from scaleout.runtime import session
 
     fresh = calibration.model_copy(deep=True)
@@ -261,9 +260,9 @@ def recalibrate(
         fresh.exchange = measure_exchange()
     threads = torch.get_num_threads()
     # As `calibrate` measures them: a shard's and a codec's one thread, and a caller of one
-    # thread like a replica's (`run.num_threads = 1`). With torch's default threads here, a
-    # pull's copy woke a second thread that spun after it: the caller's side measured
-    # 3.4-3.7 core-ms a call at 0.4 MB against 1.0 at one thread.
+    # thread like a replica's (`run.num_threads = 1`). With torch's default threads, a
+    # pull's copy wakes a second thread that spins after it, which would charge the
+    # caller's side core-time that a one-thread replica does not spend.
     torch.set_num_threads(1)
     try:
         if codecs:
@@ -307,7 +306,7 @@ def calibrate(
     say("codecs")
     codecs = measure_codecs()
     # the collectives between bare processes first: Ray's processes take seconds to exit
-    # after its session, and an all-reduce measured meanwhile took twice as long
+    # after its session, and an all-reduce measured meanwhile would be slowed by them
     say("gloo all-reduce between two processes")
     allreduce = measure_allreduce(allreduce_sizes(configs, models))
     say("sync's weight averaging between two processes")

@@ -139,7 +139,7 @@ class MessageCost(_Model):
     caller_share: float = Field(default=0.5, ge=0, le=1)
     # The measured calls (bytes ascending; the configs' own shard sizes among them): between
     # them costs are interpolated, beyond them the fitted lines above hold. Copies are not
-    # linear in size (a 3.7 MB slice can take longer than a 4.2 MB one), so the sizes a run
+    # linear in size (a smaller slice can take longer than a larger one), so the sizes a run
     # sends are measured as they are.
     measured_bytes: list[PositiveInt] = []
     measured_s: list[PositiveFloat] = []

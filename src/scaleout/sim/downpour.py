@@ -64,7 +64,7 @@ its sharing, every call a shard's actor or the driver's thread serves keeps it b
 counts `weight` steps of the run (cadences are in the run's steps). The shards then have
 machines of their own (at 1000 machines 64 shards would share theirs with 6% of the
 replicas), and a one-off call to a shard (an evaluation's fetch) is weighted as the
-represented ones are. Simulating every replica would take hours at 1000 machines;
+represented ones are. Simulating every replica is too slow at 1000 machines;
 `tests/test_sim_downpour.py` holds the two together where both run.
 """
 

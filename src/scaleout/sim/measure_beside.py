@@ -5,7 +5,7 @@ A Downpour replica computes while the other replicas' pulls and pushes, and the 
 serving them, run on the same machine: Ray's threads in several processes copy megabytes
 in and out of its object store and evict the step's weights from the caches they share.
 The step then needs more CPU, not only less of the cores (the simulator shares those out
-itself; figures for the demo's MLP: `results/measurements.md`).
+itself), and that extra CPU is what this module measures.
 
 Beside the calls the step also waits longer than sharing the cores explains, while cores
 stand idle: each call's threads wake up on some core, and the scheduler often hands them
@@ -45,7 +45,7 @@ from scaleout.sim.engine import Cluster, Link, Process
 from scaleout.sim.measure_calls import shard_round_trip
 from scaleout.sim.measuring import START_AND_STEP_S, OtherCores
 
-ROUNDS = 16  # of each condition, alternately: the box drifts within seconds
+ROUNDS = 16  # of each condition, alternately: the machine's speed drifts within seconds
 STEPS = 12  # per round
 SETTLE_S = 0.05  # after the calls start or stop, before a round
 SIMULATED_STEPS = 60  # of the measurement's schedule in the engine, the first 10 left out

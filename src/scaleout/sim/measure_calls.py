@@ -330,10 +330,9 @@ def _two_ranks(
     size)` and this process's CPU seconds per call, gloo's threads included. Means, not
     medians: gloo's threads poll, so a median call's wall time against the mean CPU would
     claim more cores than the machine has. The sizes take turns over `COLLECTIVE_ROUNDS`
-    rounds of `COLLECTIVE_MIN_S / COLLECTIVE_ROUNDS` each: a call's mean drifts by 10-30%
-    from one half second to the next here (an 814 KB all-reduce measured 0.93 ms and 1.77
-    ms minutes apart in single half-second samples), and the sizes' costs are compared
-    with one another."""
+    rounds of `COLLECTIVE_MIN_S / COLLECTIVE_ROUNDS` each: a call's mean drifts from one
+    round to the next, and the sizes' costs are compared with one another, so each size
+    must see every part of the drift."""
     with gloo_pair(rank, port):
         calls = [call_for(rank, size) for size in sizes]
         counts = [_calls_for(once, COLLECTIVE_MIN_S / COLLECTIVE_ROUNDS) for once in calls]

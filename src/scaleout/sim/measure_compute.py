@@ -61,9 +61,9 @@ class _Stepper:
 
     def backward_fraction(self, steps: int) -> float:
         """The share of a step (at the threads set now) that backward takes: loading, the
-        forward pass and the loss, then backward, each timed (medians over `steps`). A
-        small MLP's forward is most of its step (the 784-256-10 MLP's backward: 26%; the
-        784-1024-1024-10 MLP's: 48%), not the third a FLOP count gives it."""
+        forward pass and the loss, then backward, each timed (medians over `steps`).
+        Measured rather than taken from FLOPs: in a small MLP, loading, the forward pass and
+        the loss take much more of the step than the third a FLOP count gives the forward."""
         before, after = [], []
         for _ in range(steps + 1):
             started = time.perf_counter()
@@ -278,9 +278,8 @@ def optimizer_after_step(stepper: _Stepper, steps: int) -> float:
     """Median seconds of the config's optimizer step right after a training step, as a
     sync worker runs it (zero the gradients, step, then the optimizer): its state comes
     cold from memory the forward and backward passes went through. Back to back on one
-    gradient it runs from the caches and costs less (the 784-256-10 MLP's momentum step
-    0.10 ms against 0.17 after a step here; 0.24 in a two-worker run). The first step,
-    left out, builds the optimizer's state."""
+    gradient it runs from the caches and costs less, which would underprice a run. The
+    first step, left out, builds the optimizer's state."""
     from scaleout.nn.optim import build_optimizer
 
     optimizer = build_optimizer(stepper.model.parameters(), stepper.job.train)
@@ -292,8 +291,8 @@ def optimizer_after_step(stepper: _Stepper, steps: int) -> float:
 def zero_after_step(stepper: _Stepper, steps: int) -> float:
     """Median seconds to zero a gradient buffer of the model's size right after a training
     step, as a Downpour replica zeroes its flat gradient after each push: the step has
-    evicted it from the caches. Back to back it stays in them and costs a third (the demo's
-    1.86M values: 0.30 ms against 0.80-0.95 after a step here; 0.81 ms median in a run)."""
+    evicted it from the caches. Back to back it stays in them and costs less, which would
+    underprice a run."""
     flat = torch.ones(sum(p.numel() for p in stepper.model.parameters() if p.requires_grad))
     return _after_steps(stepper, steps, flat.zero_)
 

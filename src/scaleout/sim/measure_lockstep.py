@@ -6,7 +6,7 @@ exchanges, a backward pass before DDP's all-reduce), and then a collective costs
 rank that finished its compute first waits for the other (two processes on two cores do
 not run at one pace), and gloo's threads, asleep while the ranks computed, wake up first.
 The extra grows with the compute before the call, and moves with the machine's load from
-one measurement to the next (figures: `results/measurements.md`).
+one measurement to the next, so it is measured rather than derived.
 
 `measure_lockstep` has two gloo ranks compute for a gap (matrix products and passes over
 memory on one thread, `Filler`), then call the collective, over and over: gloo's
@@ -21,9 +21,7 @@ threads in the replica, the raylet and the shard slept meanwhile and their cache
 cold. `measure_shard_calls_after_compute` has this process compute for a gap, then pull
 from and push to a real one-shard server (waiting for the update, as back to back), over
 and over; per size and gap, the pair's mean wall seconds and all-process core-seconds (the
-compute's own CPU taken out) less the same pair back to back. Measured here at 0.4 MB:
-+1.2 to +1.9 ms and +1.4 to +2.3 core-ms a pair after 5-10 ms of compute (back to back
-4.1 ms and 5.6 core-ms); at 3.7 MB about +1.3 ms.
+compute's own CPU taken out) less the same pair back to back.
 
 While other processes compute on the machine, the pair takes longer still, and more than
 its share of the cores explains: its hops between processes (caller, raylet, shard) each
@@ -33,11 +31,8 @@ less what processor sharing gives it (`shared_wall`: its measured cores beside t
 processes, as `Machine.call` prices it), is what its `CALLS_PER_PAIR` calls waited, each
 `hop_wait * k / cores` as the simulation charges it (k / cores: the busy fraction of the
 cores as the call starts); `LockstepCost.hop_wait_s` is the least-squares `hop_wait`
-through both points. Measured here at 3.7 MB through a shard with Adagrad's update: the
-pair 10 ms after 8 ms of compute, 15 ms beside one computing process and 25 ms beside two,
-where sharing explains 11 and 16 ms: about 2 ms a call on a busy box (the calibration's
-SGD shard: 1.7-2.1 ms a call in five calibrations). All the pairs take turns over rounds
-(`measure_calls`).
+through both points. All the pairs take turns over rounds (`measure_calls`), so that a
+drift of the machine's speed touches every point alike.
 """
 
 from __future__ import annotations
@@ -74,7 +69,7 @@ SHARD_CALL_LOADED_GAP_S = 8e-3  # the loaded pair's compute before it
 CALLS_PER_PAIR = 4  # the simulation's calls in a pull and a push: each one's two sides
 SHARD_CALL_SAMPLE_S = 1.0  # at least, per (size, gap): the CPU counters tick at 100 Hz
 SAMPLE_S = 1.0  # at least, per (size, gap), over all rounds: a mean holds rare long stalls
-ROUNDS = 4  # every point sampled in each round: the box drifts within seconds
+ROUNDS = 4  # every point sampled in each round: the machine's speed drifts within seconds
 MIN_CALLS, BACK_TO_BACK_CALLS = 10, 75  # per round
 WARMUP = 3  # per round and point
 

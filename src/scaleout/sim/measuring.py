@@ -163,7 +163,7 @@ def alone_and_together(
     """In one of k processes: per round, rank 0 runs `work` alone, then all k at once;
     this process's (alone, together) seconds per round (alone is 0 but on rank 0). Both
     in the same processes, alternately: the ratio of the two is the machine's, not a
-    process's memory layout (which alone moves a step by several percent here)."""
+    process's memory layout (which alone can move a step's time)."""
     pairs = []
     for _ in range(rounds):
         barrier.wait()

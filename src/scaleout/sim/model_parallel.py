@@ -116,7 +116,7 @@ class GreedySchedule:
     ) -> None:
         """`grid`: another grid than the config's (`model_parallel.grid`); `speed`: the
         codec's cost that decides, on a `compress.link`, which pieces go raw (None:
-        measured here)."""
+        measured in this process)."""
         from scaleout.api import build_job
 
         job = build_job(config)

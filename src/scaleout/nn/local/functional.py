@@ -1,9 +1,9 @@
 """The differentiable operations of a locally connected layer: W x (+ b) and W^T y with
 hand-written backward passes, the `F.unfold` reference, and unit-norm rows.
 
-The backward passes recompute X[p] from the input instead of saving the 25x-expanded
-unfolded input, and measured faster than autograd through `F.unfold` (`local_linear_unfold`,
-kept as the reference; `python -m benchmarks local` measures both).
+The backward passes recompute X[p] from the input instead of saving the unfolded input,
+(field/step)^2 times the input's size, and run faster than autograd through `F.unfold`
+(`local_linear_unfold`, kept as the reference; `python -m benchmarks local` measures both).
 """
 
 from __future__ import annotations

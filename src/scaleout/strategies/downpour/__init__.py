@@ -64,9 +64,8 @@ class DownpourSection(Section):
         """`threads` for each replica's client, "auto" resolved as far as the cluster tells:
         off for a model-parallel grid's workers (they fetch and push in step) and where the
         replicas' compute threads (`run.num_threads`; None: every core) take every core of
-        one node (the threads would slow the compute: the demo's 2 replicas on 2 cores took
-        1,740 steps and 56-57 s to 97% with them, 1,340 steps and 49-52 s without). The
-        driver and the simulator both ask here."""
+        one node (the threads would then take cores from the compute and the replicas would
+        train on staler parameters). The driver and the simulator both ask here."""
         if self.mode == "diloco" or self.max_staleness is not None:
             return False  # both fetch after their own push is applied
         if self.threads != "auto":

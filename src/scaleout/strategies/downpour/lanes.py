@@ -50,8 +50,8 @@ class Lanes:
         default when the cluster's memory holds the extra processes and it has another
         node, or one machine has a core for every replica, shard and backup. On another
         node a backup survives the loss of its primary's node; on one machine whose cores
-        the replicas and shards already use, it only slows every push (on 2 cores: the
-        demo 0.84x the examples/s; one replica with 2 shards 0.85-0.90x, median of 3)."""
+        the replicas and shards already use, it only slows every push (the backup's copy
+        competes with them for those cores)."""
         opts = self.opts
         replicas, shards = opts.num_replicas * workers, opts.num_shards * workers
         cpus = ray.cluster_resources().get("CPU", 0.0)
