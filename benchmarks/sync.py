@@ -52,6 +52,7 @@ from scaleout.nn.optim import build_optimizer
 from scaleout.runtime import session
 from scaleout.strategies.group import ActorWorkers, WorkerActor
 from scaleout.strategies.role import Role
+from scaleout.strategies.worker import Worker
 
 BATCH = 128  # effective batch
 ITERATIONS = 20  # the paper's table: time per 20 iterations
@@ -175,14 +176,14 @@ def _table_one(root: Path, images: Path) -> dict[tuple[int, str], list[float]]:
         for loader_workers, name in ((1, "parallel"), (0, "serial")):
             group = _group(_config(root, data, workers, loader_workers), workers)
             try:
-                group.call("train_chunk", WARMUP)
+                group.call(Worker.train, WARMUP)
                 for _ in range(REPEATS):
                     started = time.perf_counter()
-                    outs = group.call("train_chunk", ITERATIONS)
+                    outs = group.call(Worker.train, ITERATIONS)
                     elapsed = time.perf_counter() - started
                     times.setdefault((workers, name), []).append(elapsed)
                     if name == "serial":
-                        waited = max(o["fields"]["data_wait_s"] for o in outs) * ITERATIONS
+                        waited = max(o.fields["data_wait_s"] for o in outs) * ITERATIONS
                         times.setdefault((workers, "compute"), []).append(elapsed - waited)
             finally:
                 group.close()
@@ -205,19 +206,19 @@ def _synchronisation(root: Path) -> dict[str, float]:
     steps = 10
     try:
         ours, plain, average = [], [], []
-        group.call("train_chunk", 2)
+        group.call(Worker.train, 2)
         ray.get([w.plain_ddp.remote(2) for w in group.actors])
         for _ in range(3):  # alternate, so both see the same machine load
-            outs = group.call("train_chunk", steps)
-            ours.append(max(o["seconds"] for o in outs))
+            outs = group.call(Worker.train, steps)
+            ours.append(max(o.seconds for o in outs))
             plain.append(max(ray.get([w.plain_ddp.remote(steps) for w in group.actors])))
         ray.get([w.set_mode.remote("average") for w in group.actors])
         for _ in range(2):
-            outs = group.call("train_chunk", steps)
+            outs = group.call(Worker.train, steps)
             average.append(
                 (
-                    max(o["seconds"] for o in outs),
-                    max(o["fields"]["average_s"] for o in outs) * steps,  # per step -> total
+                    max(o.seconds for o in outs),
+                    max(o.fields["average_s"] for o in outs) * steps,  # per step -> total
                 )
             )
         shares = ray.get([w.comm_share.remote(steps) for w in group.actors])

@@ -184,7 +184,7 @@ class DownpourSim(ShardCalls, ReplicaThreads, ReplicaModes, RunReport):
         self._release(self.driver, turn, own)
 
     def _chunk(self, replica: Replica, steps: int) -> Process:
-        """`train_chunk(steps)` on the replica's actor."""
+        """`Worker.train(steps)` on the replica's actor."""
         yield from self._driver_turn()
         machine = self.cluster.machines[replica.machine]
         step_s = self.cost.step_s(self.train.batch_size, self.threads)

@@ -1,6 +1,6 @@
 """Strategy "sync" (`scaleout.strategies.sync`) as a simulation, and the ring collectives.
 
-What runs, as the library runs it (`Lockstep` driver, `Worker.train_chunk`):
+What runs, as the library runs it (`Lockstep` driver, `Worker.train`):
 
 - the driver hands every worker the same chunk of steps, up to the next metrics line,
   evaluation or checkpoint (`driver_chunks`); a chunk's call and answer cost a Ray call;

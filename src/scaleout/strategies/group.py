@@ -1,7 +1,7 @@
 """Workers in lock step: one in this process, or Ray actors joined in a process group.
 
-A strategy talks to its workers through `call(method, *args)`: every worker runs
-`Worker.method(*args)` at once, and the answers come back in rank order. `LocalWorkers` is
+A strategy talks to its workers through `call(Worker.method, *args)`: every worker runs
+`method(worker, *args)` at once, and the answers come back in rank order. `LocalWorkers` is
 one worker in the driver's process (strategy "single": no Ray at all); `ActorWorkers` is W
 Ray actors (`WorkerActor`) in one placement group and, when W > 1 or the strategy needs
 collectives, one torch.distributed group (gloo on CPU, NCCL on GPU). The same Worker code runs
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +28,8 @@ from scaleout.strategies.worker import Worker
 from scaleout.train.job import Job
 
 Where = Callable[[], str]  # where the run stopped, for messages
+T = TypeVar("T")
+Method = Callable[..., T]  # a `Worker` method, called with the worker first: Worker.evaluate
 
 
 class WorkerActor(GroupMember):
@@ -45,9 +47,9 @@ class WorkerActor(GroupMember):
         self.worker.start()
         return os.getpid()
 
-    def call(self, method: str, *args: Any) -> Any:  # noqa: ANN401 - the worker's answer
+    def call(self, method: Method[T], *args: Any) -> T:  # noqa: ANN401
         assert self.worker is not None, "start() first"
-        return getattr(self.worker, method)(*args)
+        return method(self.worker, *args)
 
     def pid(self) -> int:
         return os.getpid()
@@ -74,8 +76,8 @@ class LocalWorkers:
             torch.set_num_threads(self.threads_before)
             raise
 
-    def call(self, method: str, *args: Any, ranks: int | None = None) -> list[Any]:  # noqa: ANN401
-        return [getattr(self.worker, method)(*args)]
+    def call(self, method: Method[T], *args: Any, ranks: int | None = None) -> list[T]:  # noqa: ANN401
+        return [method(self.worker, *args)]
 
     def close(self, timeout_s: float = 10.0) -> None:
         torch.set_num_threads(self.threads_before)
@@ -122,7 +124,7 @@ class ActorWorkers:
     def actors(self) -> list[Any]:
         return self.group.actors
 
-    def submit(self, method: str, *args: Any, ranks: int | None = None) -> list[Any]:  # noqa: ANN401
+    def submit(self, method: Method[Any], *args: Any, ranks: int | None = None) -> list[Any]:  # noqa: ANN401
         """Start `method` on the first `ranks` workers (all by default); return the futures
         in rank order."""
         import ray
@@ -133,10 +135,10 @@ class ActorWorkers:
     def get(self, futures: list[Any], doing: str) -> list[Any]:
         return self.group.get(futures, doing, self.label, self.where)
 
-    def call(self, method: str, *args: Any, ranks: int | None = None) -> list[Any]:  # noqa: ANN401
+    def call(self, method: Method[T], *args: Any, ranks: int | None = None) -> list[T]:  # noqa: ANN401
         """`method` on the first `ranks` workers (all by default), in rank order."""
         futures = self.submit(method, *args, ranks=ranks)
-        return self.get(futures, DOING.get(method, method))
+        return self.get(futures, doing(method))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Leave the process group and end the actors (0: at once, when a member died and
@@ -156,8 +158,13 @@ def spawn_worker(
     return spawn(WorkerActor, 0, 1, job, role, position, num_cpus=num_cpus, resource=resource)
 
 
+def doing(method: Method[Any]) -> str:
+    """What a worker is doing while it runs `method`, for messages."""
+    return DOING.get(method.__name__, method.__name__)
+
+
 DOING = {
-    "train_chunk": "training",
+    "train": "training",
     "evaluate": "evaluating",
     "state": "checkpointing",
     "rng_state": "checkpointing",

@@ -17,7 +17,7 @@ from scaleout.data import num_batches
 from scaleout.rundir import RunDir
 from scaleout.strategies.group import ActorWorkers, LocalWorkers
 from scaleout.strategies.role import Role
-from scaleout.strategies.worker import chunk_of
+from scaleout.strategies.worker import Worker, WorkerChunk
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 from scaleout.train.step import schedule_for
@@ -70,7 +70,7 @@ class Lockstep:
         self.workers = self.make_workers(role)
         self.step = 0 if resume is None else resume.step
         if resume is not None:
-            self.workers.call("restore", resume.tensors, resume.meta, str(resume.path))
+            self.workers.call(Worker.restore, resume.tensors, resume.meta, str(resume.path))
         return {}
 
     def role_options(self) -> dict[str, Any]:
@@ -79,16 +79,16 @@ class Lockstep:
     def train(self, num_steps: int, stop: Callable[[], bool]) -> Chunk:
         assert self.workers is not None
         if isinstance(self.workers, LocalWorkers):
-            outs = [self.workers.worker.train_chunk(num_steps, stop)]
+            outs = [self.workers.worker.train(num_steps, stop)]
         else:
-            outs = self.workers.call("train_chunk", num_steps)
+            outs = self.workers.call(Worker.train, num_steps)
         chunk = self.combine(outs)
         self.step += chunk.steps
         return chunk
 
-    def combine(self, outs: list[dict[str, Any]]) -> Chunk:
+    def combine(self, outs: list[WorkerChunk]) -> Chunk:
         """The replica's chunk from its workers' answers (rank 0's: sums are the grid's)."""
-        return chunk_of(outs[0])
+        return outs[0]
 
     def metrics(self) -> dict[str, Any]:
         return {}
@@ -96,17 +96,17 @@ class Lockstep:
     def evaluate(self) -> dict[str, float]:
         assert self.workers is not None
         # the first worker that measured: rank 0, or a pipeline's last stage
-        return next(m for m in self.workers.call("evaluate") if m is not None)
+        return next(m for m in self.workers.call(Worker.evaluate) if m is not None)
 
     def held_bytes(self) -> dict[str, int]:
         """The parameter and optimizer-state bytes the fullest worker holds, per kind."""
         assert self.workers is not None
-        answers = self.workers.call("held_bytes")
+        answers = self.workers.call(Worker.held_bytes)
         return {key: max(a[key] for a in answers) for key in answers[0]}
 
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         assert self.workers is not None
-        return self.workers.call("state")[0]
+        return self.workers.call(Worker.state)[0]
 
     def finish(self) -> Chunk:
         return Chunk()

@@ -43,7 +43,7 @@ from scaleout.strategies.group import ActorWorkers
 from scaleout.strategies.layout import ModelParallelSection, check_pipeline
 from scaleout.strategies.lockstep import Lockstep, Workers
 from scaleout.strategies.role import Role
-from scaleout.strategies.worker import chunk_of
+from scaleout.strategies.worker import Worker, WorkerChunk
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Tensors
 
@@ -188,28 +188,28 @@ class Sync(Lockstep):
             self.opts.timeout_s,
         )
 
-    def combine(self, outs: list[dict[str, Any]]) -> Chunk:
+    def combine(self, outs: list[WorkerChunk]) -> Chunk:
         """Every worker trained its slice: sums add up (a pipeline's stages report the same,
         its first stage counts); the slowest worker's times count."""
         outs = outs[:: self.stages]
-        chunk = chunk_of(outs[0])
-        chunk.examples = sum(o["examples"] for o in outs)
-        chunk.loss_sum = sum(o["loss_sum"] for o in outs)
+        chunk = outs[0]
+        chunk.examples = sum(o.examples for o in outs)
+        chunk.loss_sum = sum(o.loss_sum for o in outs)
         if chunk.correct is not None:
-            chunk.correct = sum(o["correct"] for o in outs)
-        chunk.seconds = max(o["seconds"] for o in outs)
+            chunk.correct = sum(o.correct or 0.0 for o in outs)
+        chunk.seconds = max(o.seconds or 0.0 for o in outs)
         for key in ("data_wait_s", "average_s"):
             if key in chunk.fields:
-                chunk.fields[key] = max(o["fields"][key] for o in outs)
+                chunk.fields[key] = max(o.fields[key] for o in outs)
         return chunk
 
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         assert self.workers is not None
-        self.workers.call("average_now")
+        self.workers.call(Worker.average_now)
         sharded = self.opts.mode == "fsdp"  # gathering the shards is a collective
         ranks = None if sharded else self.stages  # (the first pipeline's stages gather)
-        tensors, meta = self.workers.call("state", ranks=ranks)[0]
-        for rank, rng in enumerate(self.workers.call("rng_state")[1:], start=1):
+        tensors, meta = self.workers.call(Worker.state, ranks=ranks)[0]
+        for rank, rng in enumerate(self.workers.call(Worker.rng_state)[1:], start=1):
             tensors[f"rng.torch.{rank}"] = rng
         meta.update(num_workers=self.opts.num_workers, mode=self.opts.mode)
         return tensors, meta

@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,17 +74,13 @@ if TYPE_CHECKING:
     from scaleout.ps import ReplicaClient
 
 
-def chunk_of(out: dict[str, Any]) -> Chunk:
-    """The `Chunk` a worker's `train_chunk` answer reports."""
-    return Chunk(
-        steps=out["steps"],
-        examples=out["examples"],
-        loss_sum=out["loss_sum"],
-        correct=out["correct"],
-        term_sums=out["term_sums"],
-        fields=out["fields"],
-        seconds=out["seconds"],
-    )
+@dataclass
+class WorkerChunk(Chunk):
+    """A worker's `train` answer: its `Chunk`, where its data reader stands (a Downpour
+    replica's, for checkpoints) and the push records since its last answer."""
+
+    position: dict[str, int] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Worker(WorkerState, OnShards):
@@ -250,7 +247,7 @@ class Worker(WorkerState, OnShards):
 
     # --- training ------------------------------------------------------------------------
 
-    def train_chunk(self, num_steps: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    def train(self, num_steps: int, stop: Callable[[], bool] | None = None) -> WorkerChunk:
         """Train `num_steps` steps (fewer when `stop()` turns true): the sums over their
         examples (loss, right predictions, an objective's terms; reduced over a grid), the
         examples, and the latest epoch, learning rate and phase values."""
@@ -309,17 +306,17 @@ class Worker(WorkerState, OnShards):
             fields["grad_norm"] = float(grad_norm)
         if self.role.average_every:
             fields["average_s"] = average_s / max(steps, 1)
-        return {
-            "steps": steps,
-            "examples": examples,
-            "loss_sum": loss_sum,
-            "correct": correct,
-            "term_sums": values,
-            "fields": fields,
-            "seconds": time.perf_counter() - started,
-            "position": self.position(),
-            "records": self.take_records(),
-        }
+        return WorkerChunk(
+            steps=steps,
+            examples=examples,
+            loss_sum=loss_sum,
+            correct=correct,
+            term_sums=values,
+            fields=fields,
+            seconds=time.perf_counter() - started,
+            position=self.position(),
+            records=self.take_records(),
+        )
 
     def _schedule_step(self) -> int:
         """The step the learning rate is a function of: the run's global step, or the

@@ -15,12 +15,14 @@ from ray.exceptions import RayActorError, RayTaskError
 from scaleout.errors import UserError
 from scaleout.progress import console
 from scaleout.runtime import START_TIMEOUT_S, describe_failure
+from scaleout.strategies.worker import Worker
 
 if TYPE_CHECKING:
     from scaleout.checkpoint import OptimizerState
     from scaleout.strategies.downpour import DownpourSection
     from scaleout.strategies.downpour.lanes import Lanes
     from scaleout.strategies.downpour.replicas import Replica
+    from scaleout.strategies.group import Method, T
     from scaleout.train.protocol import Plan, Tensors
 
 
@@ -113,7 +115,7 @@ class ReplicaFailures:
             if peer == replica_id or not self.alive[peer] or peer in self.starting:
                 continue
             try:
-                state = replica.call("inner_state", doing="sharing its optimizer state")[0]
+                state = replica.call(Worker.inner_state, doing="sharing its optimizer state")[0]
             except (RayActorError, RayTaskError):
                 continue  # its failure is handled where its chunk is waited on
             if state is not None:
@@ -124,7 +126,7 @@ class ReplicaFailures:
         self._settle_starting(wait=True)  # a replica answers once it is attached
         return next(r for r, ok in zip(self.replicas, self.alive, strict=True) if ok)
 
-    def _ask_first_alive(self, method: str, *args: Any, doing: str) -> list[Any]:  # noqa: ANN401
+    def _ask_first_alive(self, method: Method[T], *args: Any, doing: str) -> list[T]:  # noqa: ANN401
         """The first live replica's answers to `method`, one per worker: an evaluation, the
         state for a checkpoint or a phase. A replica that died since it last answered (with
         its node, say, just before an evaluation) fails here first: it is handled as a
@@ -161,9 +163,13 @@ class ReplicaFailures:
                 replica.started = None  # started: give it what it needs and attach it
                 pending = []
                 if self.weights is not None and self._plan is not None and self._plan.phase_steps:
-                    pending += replica.submit("load_weights", self.weights, "the layers so far")
+                    pending += replica.submit(
+                        Worker.load_weights, self.weights, "the layers so far"
+                    )
                 inner = self._peer_inner(replica_id)
-                pending += replica.submit_each("attach", self._attach_args(replica, False, inner))
+                pending += replica.submit_each(
+                    Worker.attach, self._attach_args(replica, False, inner)
+                )
                 self.starting[replica_id] = pending
                 if wait:
                     replica.get(pending, "attaching to the shards")

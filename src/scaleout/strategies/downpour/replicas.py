@@ -18,7 +18,7 @@ from scaleout.nn.schedule import Schedule
 from scaleout.progress import console
 from scaleout.runtime import describe_failure
 from scaleout.strategies.downpour.lanes import Lanes
-from scaleout.strategies.group import ActorWorkers, Where, spawn_worker
+from scaleout.strategies.group import ActorWorkers, Method, T, Where, spawn_worker
 from scaleout.strategies.layout import ModelParallelSection
 from scaleout.strategies.role import Role
 from scaleout.train.job import Job
@@ -90,13 +90,13 @@ class Replica:
                 ) from None
             self.started = None
 
-    def submit(self, method: str, *args: Any) -> list[Any]:  # noqa: ANN401
+    def submit(self, method: Method[Any], *args: Any) -> list[Any]:  # noqa: ANN401
         """Start `method` on every worker of the replica; the futures in rank order."""
         if self.group is not None:
             return self.group.submit(method, *args)
         return [self.actor.call.remote(method, *args)]
 
-    def submit_each(self, method: str, args: list[tuple[Any, ...]]) -> list[Any]:
+    def submit_each(self, method: Method[Any], args: list[tuple[Any, ...]]) -> list[Any]:
         """Start `method` with `args[rank]` on each worker."""
         actors = self.group.actors if self.group is not None else [self.actor]
         return [
@@ -110,8 +110,8 @@ class Replica:
             return self.group.get(futures, doing)
         return ray.get(futures)
 
-    def call(self, method: str, *args: Any, doing: str = "") -> list[Any]:  # noqa: ANN401
-        return self.get(self.submit(method, *args), doing or method)
+    def call(self, method: Method[T], *args: Any, doing: str = "") -> list[T]:  # noqa: ANN401
+        return self.get(self.submit(method, *args), doing or method.__name__)
 
     def node(self) -> str:
         actor = self.actor if self.group is None else self.group.actors[0]

@@ -67,7 +67,7 @@ from scaleout.strategies.layout import (
     check_partitionable,
     check_pipeline,
 )
-from scaleout.strategies.worker import chunk_of
+from scaleout.strategies.worker import Worker, WorkerChunk
 from scaleout.train.job import Job
 from scaleout.train.protocol import Chunk, Plan, Resume, Tensors
 from scaleout.train.step import schedule_for
@@ -261,7 +261,7 @@ class Downpour(ReplicaFailures):
         )
 
     def _load_weights(self, replicas: list[Replica], source: str) -> None:
-        pending = [(r, r.submit("load_weights", self.weights, source)) for r in replicas]
+        pending = [(r, r.submit(Worker.load_weights, self.weights, source)) for r in replicas]
         for replica, futures in pending:
             replica.get(futures, "loading weights")
 
@@ -273,14 +273,14 @@ class Downpour(ReplicaFailures):
         self.phase = phase
         assert self._plan is not None
         if self._plan.phase_steps and phase > 0 and fresh:  # for replicas restarted later
-            self.weights = self._ask_first_alive("state", doing="starting a phase")[0][0]
-        initial = self._ask_first_alive("begin_phase", phase, fresh, doing="starting a phase")
+            self.weights = self._ask_first_alive(Worker.state, doing="starting a phase")[0][0]
+        initial = self._ask_first_alive(Worker.begin_phase, phase, fresh, doing="starting a phase")
         if fresh:  # DiLoCo: a new phase's parameters start a fresh optimizer
             self.inner = None
         phase_start = phase * self._plan.phase_steps if self._plan.phase_steps else 0
         self.lanes.start(phase, initial, self.schedule, 0 if fresh else self.step - phase_start)
         attach = [
-            (r, replica.submit_each("attach", self._attach_args(replica, fresh, self.inner)))
+            (r, replica.submit_each(Worker.attach, self._attach_args(replica, fresh, self.inner)))
             for r, replica in enumerate(self.replicas)
             if self.alive[r]
         ]
@@ -316,14 +316,14 @@ class Downpour(ReplicaFailures):
         the shards' final values (so the frozen layers are the same everywhere)."""
         self._settle_starting(wait=True)
         live = [r for r in range(len(self.replicas)) if self.alive[r]]
-        for method in ("flush_pushes", "adopt_final"):
+        for method in (Worker.flush_pushes, Worker.adopt_final):
             futures = {r: self.replicas[r].submit(method) for r in live}
             for r, pending in futures.items():
                 try:
                     outs = self.replicas[r].get(pending, "flushing its pushes")
                 except (RayActorError, RayTaskError):
                     continue  # its last pushes are lost; the shards keep what arrived
-                if method == "flush_pushes":
+                if method is Worker.flush_pushes:
                     for records in outs:
                         self._log_pushes(records)
 
@@ -348,7 +348,7 @@ class Downpour(ReplicaFailures):
         steps = min(max(1, min(self.cfg.log_every, CHUNK_STEPS)), end - self.assigned)
         if steps <= 0 or replica_id in self.in_flight or not self.alive[replica_id]:
             return
-        futures = self.replicas[replica_id].submit("train_chunk", steps)
+        futures = self.replicas[replica_id].submit(Worker.train, steps)
         self.in_flight[replica_id] = (futures, steps)
         self.submitted_at[replica_id] = time.monotonic()
         self.assigned += steps
@@ -409,20 +409,19 @@ class Downpour(ReplicaFailures):
                 continue
             self._take(replica_id, outs, chunk)
 
-    def _take(self, replica_id: int, outs: list[dict[str, Any]], chunk: Chunk) -> None:
-        out = outs[0]  # a grid's sums are reduced over it
-        self.step += out["steps"]
-        self.examples += out["examples"]
-        self.positions[replica_id] = out["position"]
-        part = chunk_of(out)
+    def _take(self, replica_id: int, outs: list[WorkerChunk], chunk: Chunk) -> None:
+        part = outs[0]  # a grid's sums are reduced over it
+        self.step += part.steps
+        self.examples += part.examples
+        self.positions[replica_id] = part.position
         part.seconds = None  # replicas run at once: the call's wall time counts (`train`)
         for key in ("epoch", "data_wait_s", "lr"):  # one replica's, not the run's
             part.fields.pop(key, None)
         chunk.add(part)
         assert self.pushes is not None
-        self.pushes.steps += out["steps"]
+        self.pushes.steps += part.steps
         for worker_out in outs:
-            self._log_pushes(worker_out["records"])
+            self._log_pushes(worker_out.records)
 
     def _log_pushes(self, records: list[dict[str, Any]]) -> None:
         assert self.pushes is not None
@@ -466,12 +465,12 @@ class Downpour(ReplicaFailures):
 
     def evaluate(self) -> dict[str, float]:
         # the first worker that measured: rank 0, or a pipeline's last stage
-        answers = self._ask_first_alive("evaluate", doing="evaluating")
+        answers = self._ask_first_alive(Worker.evaluate, doing="evaluating")
         return next(a for a in answers if a is not None)
 
     def state(self) -> tuple[Tensors, dict[str, Any]]:
         self.lanes.checkpoint()
-        tensors, meta = self._ask_first_alive("state", doing="checkpointing")[0]
+        tensors, meta = self._ask_first_alive(Worker.state, doing="checkpointing")[0]
         if self.opts.mode == "diloco":  # a replica restarted later starts from it at worst
             self.inner = optimizer_part(tensors, meta)
         meta.update(
