@@ -29,7 +29,7 @@ from scaleout.nn.optim import OptimizerSpec
 from scaleout.ps.shard import ParameterShard
 from scaleout.ps.wire import Wire
 from scaleout.rundir import ASIDE_DIR, LOCK_FILE, RunDir
-from scaleout.strategies.lockstep import Single
+from scaleout.strategies.single import Single
 
 REPO = Path(__file__).resolve().parents[1]
 

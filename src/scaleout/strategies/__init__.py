@@ -11,10 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scaleout.config import Section
-from scaleout.strategies import downpour, model_parallel, sandblaster, sync
+from scaleout.strategies import downpour, model_parallel, sandblaster, single, sync
 from scaleout.strategies.downpour import DownpourSection
 from scaleout.strategies.layout import ModelParallelSection
-from scaleout.strategies.lockstep import create_single
 from scaleout.strategies.sandblaster import SandblasterSection
 from scaleout.strategies.sync import SyncSection
 from scaleout.train.job import Job
@@ -35,7 +34,7 @@ class StrategySpec:
 STRATEGIES: dict[str, StrategySpec] = {
     spec.name: spec
     for spec in (
-        StrategySpec("single", create_single, uses_ray=False),
+        StrategySpec("single", single.create, uses_ray=False),
         StrategySpec("sync", sync.create, SyncSection),
         StrategySpec("downpour", downpour.create, DownpourSection),
         StrategySpec("sandblaster", sandblaster.create, SandblasterSection),

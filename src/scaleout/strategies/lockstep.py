@@ -1,6 +1,6 @@
-"""Strategies that train one replica in lock step: "single" (one worker in this process),
-"model_parallel" (the replica partitioned over a grid of actors) and "sync" (every worker a
-whole replica on a slice of each global batch).
+"""The base of the strategies that train one replica in lock step: "single" (one worker in
+this process), "model_parallel" (the replica partitioned over a grid of actors) and "sync"
+(every worker a whole replica on a slice of each global batch).
 
 They differ only in the workers' `Role`, where the workers run, and how their answers
 combine; the plan, the training loop (`Worker`), evaluation and checkpoints are the same.
@@ -118,19 +118,3 @@ class Lockstep:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-
-
-class Single(Lockstep):
-    """Strategy "single": one worker in this process, the reference every distributed
-    strategy is measured by. Deterministic given the config: the order of examples depends
-    only on (seed, epoch), and checkpoints hold the model, optimizer, RNG and position, so a
-    run killed and resumed ends with exactly the parameters of an uninterrupted one."""
-
-    name = "single"
-
-    def make_workers(self, role: Role) -> Workers:
-        return LocalWorkers(self.job, role)
-
-
-def create_single(job: Job) -> Single:
-    return Single(job)
