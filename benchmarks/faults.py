@@ -257,7 +257,7 @@ def _downpour_faults(root: Path, reference: Done) -> list[Outcome]:
     outcomes = []
 
     def shard_server(r: Run) -> Any:  # noqa: ANN401
-        return r.strategy.lanes.servers[0][0]
+        return r.strategy.shards.servers[0][0]
 
     def backup_pid(r: Run) -> int:
         import ray

@@ -175,7 +175,7 @@ def test_replica_dead_before_an_evaluation_is_restarted_and_another_answers(ray_
 @pytest.mark.slow
 def test_killed_shard_resumes_from_its_checkpoint(ray_session, tmp_path):
     downpour = driver(write_config(tmp_path, steps=600), "downpour.shard_backups=0")
-    kill_when(downpour, 200, lambda: downpour.strategy.lanes.servers[0][0].info()[0]["pid"])
+    kill_when(downpour, 200, lambda: downpour.strategy.shards.servers[0][0].info()[0]["pid"])
     result = downpour.train()
     assert result.step == 600
     assert result.summary["shard_restarts"] == 1
@@ -196,7 +196,7 @@ def test_threaded_replicas_survive_a_killed_shard_and_a_killed_replica(ray_sessi
     overrides = ("downpour.threads=true", "downpour.shard_backups=0", "train.lr=0.02")
     reference = driver(write_config(tmp_path, "reference", **options), *overrides).train()
     downpour = driver(write_config(tmp_path, **options), *overrides)
-    kill_when(downpour, 200, lambda: downpour.strategy.lanes.servers[0][0].info()[0]["pid"])
+    kill_when(downpour, 200, lambda: downpour.strategy.shards.servers[0][0].info()[0]["pid"])
     kill_when(downpour, 450, lambda: downpour.strategy.replicas[1].pid())
     result = downpour.train()
     assert result.step == 800
@@ -224,7 +224,7 @@ def test_killed_shard_primary_fails_over_to_its_backup_losing_nothing(ray_sessio
     )
     reference = driver(write_config(tmp_path, "reference", **options), *exact).train()
     downpour = driver(write_config(tmp_path, **options), *exact)
-    kill_when(downpour, 120, lambda: downpour.strategy.lanes.servers[0][0].info()[1]["pid"])
+    kill_when(downpour, 120, lambda: downpour.strategy.shards.servers[0][0].info()[1]["pid"])
     result = downpour.train()
     assert result.step == 300
     assert result.summary["shard_restarts"] == 1 and result.summary["shard_updates_lost"] == 0

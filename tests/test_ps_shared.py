@@ -284,7 +284,7 @@ def test_a_replica_client_trains_through_its_shared_buffers_as_through_ray(ray_s
                 client.before_step()
                 model(x).sum().backward()
                 client.after_backward()
-                buffers.add(client.lanes[0].flat.grads.data_ptr())
+                buffers.add(client.groups[0].flat.grads.data_ptr())
             client.flush()
             results.append(server.values())
             used.append(len(buffers))

@@ -19,8 +19,8 @@ buffer after each push (on a node it shares with shards, it moves the gradient t
 buffer in shared memory instead: the push names the one it filled where it lies,
 `ParameterServer.gradient_buffer`).
 
-`lanes` pairs parameters with the server that holds them: several servers when parameter
-groups step differently (e.g. the sparse autoencoder's alpha on a shard of its own with a
+`groups` pairs each parameter group with the server whose shards hold it: several servers
+when parameter groups step differently (e.g. the sparse autoencoder's alpha on a shard of its own with a
 smaller learning rate). `after_pull` runs after each fetch (a model-parallel grid broadcasts
 its replicated parameters there); `before_push` before each push (the grid sums those
 parameters' gradients; a replica clips the gradient it pushes), and what it returns goes
@@ -96,7 +96,10 @@ Mode = Literal["gradients", "diloco"]
 
 
 @dataclass
-class Lane:
+class ServedGroup:
+    """A parameter group (flat) and the server whose shards hold it, with the shard
+    versions its values were fetched at."""
+
     flat: FlatParameters
     server: ParameterServer
     versions: list[int]
@@ -106,7 +109,7 @@ class Lane:
 class ReplicaClient:
     def __init__(
         self,
-        lanes: Sequence[tuple[Params, ParameterServer]],
+        groups: Sequence[tuple[Params, ParameterServer]],
         n_fetch: int = 1,
         n_push: int = 1,
         threads: bool | Literal["auto"] = False,
@@ -130,21 +133,21 @@ class ReplicaClient:
                 f"bounded staleness opens a window at each fetch: n_fetch ({n_fetch}) must be "
                 f"at most n_push ({n_push}), without threads"
             )
-        self.lanes: list[Lane] = []
-        for params, server in lanes:
+        self.groups: list[ServedGroup] = []
+        for params, server in groups:
             flat = FlatParameters(params)
             if flat.numel != server.numel:
                 raise ValueError(
                     f"these parameters hold {flat.numel} values, the server {server.numel}: "
                     "give the parameters the server was created from"
                 )
-            self.lanes.append(Lane(flat, server, [0] * len(server.shards)))
+            self.groups.append(ServedGroup(flat, server, [0] * len(server.shards)))
         self.n_fetch, self.n_push = n_fetch, n_push
         self.bounded, self.owner = bounded, owner
         self.mode, self.outer_scale = mode, outer_scale
         if mode == "diloco":
-            for lane in self.lanes:
-                lane.anchor = lane.flat.params.detach().clone()
+            for group in self.groups:
+                group.anchor = group.flat.params.detach().clone()
         if mode == "diloco" or bounded:
             threads = False  # "auto" too: both fetch after their own push is applied
         self._window = False  # bounded: this client's window is open (fetched, not pushed)
@@ -202,8 +205,8 @@ class ReplicaClient:
         """DiLoCo: after the replica's own optimizer stepped on this step's gradient: zero
         it, count the step, and push the pseudo-gradient when one is due."""
         assert self.mode == "diloco", "after_step is DiLoCo's; use after_backward"
-        for lane in self.lanes:
-            lane.flat.zero_grads()
+        for group in self.groups:
+            group.flat.zero_grads()
         self.after_backward(**info)
 
     def _open_windows(self) -> None:
@@ -212,14 +215,14 @@ class ReplicaClient:
         pause = 0.001
         while True:
             opened = []
-            for lane in self.lanes:
-                if not lane.server.open_window(self.owner):
+            for group in self.groups:
+                if not group.server.open_window(self.owner):
                     break
-                opened.append(lane)
+                opened.append(group)
             else:
                 return
-            for lane in opened:
-                lane.server.close_window()
+            for group in opened:
+                group.server.close_window()
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
@@ -229,12 +232,12 @@ class ReplicaClient:
     def fetch(self, update_versions: bool = True) -> None:
         """Pull every shard's current values into the parameters now. `update_versions`
         False: a look at the shards (evaluation) that the next push's staleness ignores."""
-        for lane in self.lanes:
-            versions, received = lane.server.pull_into(lane.flat.params)
+        for group in self.groups:
+            versions, received = group.server.pull_into(group.flat.params)
             if update_versions:
-                lane.versions = versions
-                if lane.anchor is not None:
-                    lane.anchor.copy_(lane.flat.params)
+                group.versions = versions
+                if group.anchor is not None:
+                    group.anchor.copy_(group.flat.params)
                 self._received += received
                 self.stats["bytes_received"] += received
         if update_versions:
@@ -246,11 +249,11 @@ class ReplicaClient:
         """Send the accumulated gradient now (without waiting for it to be applied)."""
         started = time.perf_counter()
         if self.mode == "diloco":  # the pseudo-gradient, where the gradient would be
-            for lane in self.lanes:
-                assert lane.anchor is not None
-                torch.sub(lane.anchor, lane.flat.params, out=lane.flat.grads)
+            for group in self.groups:
+                assert group.anchor is not None
+                torch.sub(group.anchor, group.flat.params, out=group.flat.grads)
                 if self.outer_scale != 1.0:
-                    lane.flat.grads.mul_(self.outer_scale)
+                    group.flat.grads.mul_(self.outer_scale)
         extra = self.before_push() if self.before_push is not None else None
         steps, self._steps_pushed = self.steps - self._steps_pushed, self.steps
         record = {"t": time.time(), "threads": self.threads, "steps": steps, **info}
@@ -258,22 +261,22 @@ class ReplicaClient:
         record.update({f"{k}_s": round(v, 6) for k, v in self._seconds.items()})
         self._seconds = dict.fromkeys(self._seconds, 0.0)
         if self._pipeline is not None:
-            grads = [self._hand_over(lane) for lane in self.lanes]
-            versions = [list(lane.versions) for lane in self.lanes]
+            grads = [self._hand_over(group) for group in self.groups]
+            versions = [list(group.versions) for group in self.groups]
             self._zero()
             self._pipeline.push(grads, versions, record)
         else:
             self._collect(wait=True)  # the previous push has long been applied
             self._send(
-                [lane.flat.grads for lane in self.lanes],
-                [lane.versions for lane in self.lanes],
+                [group.flat.grads for group in self.groups],
+                [group.versions for group in self.groups],
                 record,
             )
             self._zero(swap=True)  # the shards may still read the buffer just pushed
             if self.bounded:  # applied on every shard: the window closes
                 self._collect(wait=True)
-                for lane in self.lanes:
-                    lane.server.close_window()
+                for group in self.groups:
+                    group.server.close_window()
                 self._window = False
         self._seconds["push"] += time.perf_counter() - started
         if self._probe is not None:
@@ -303,24 +306,24 @@ class ReplicaClient:
                 self._pipeline = Pipeline(self)
 
     def _zero(self, swap: bool = False) -> None:
-        """Zero the gradient buffers after a push; `swap`: first move each lane to a free
+        """Zero the gradient buffers after a push; `swap`: first move each group to a free
         buffer in shared memory (the shards may still read the one just pushed), or to
         its own memory."""
-        for lane in self.lanes:
+        for group in self.groups:
             if swap:
-                buffer = _shared_buffer(lane)
-                lane.flat.use_grads(buffer if buffer is not None else lane.flat.own_grads)
-            lane.flat.zero_grads()
+                buffer = _shared_buffer(group)
+                group.flat.use_grads(buffer if buffer is not None else group.flat.own_grads)
+            group.flat.zero_grads()
         if self.after_push is not None:
             self.after_push()
 
     @staticmethod
-    def _hand_over(lane: Lane) -> torch.Tensor:
-        """The lane's gradient for the push thread: its shared buffer itself where another
-        is free to go on in (the push names it where it lies), else a copy (the lane's own
+    def _hand_over(group: ServedGroup) -> torch.Tensor:
+        """The group's gradient for the push thread: its shared buffer itself where another
+        is free to go on in (the push names it where it lies), else a copy (the group's own
         memory is zeroed and refilled before the push thread sends it)."""
-        flat = lane.flat
-        buffer = _shared_buffer(lane)
+        flat = group.flat
+        buffer = _shared_buffer(group)
         if flat.grads is flat.own_grads or buffer is None:
             grads = flat.grads.clone()
         else:
@@ -333,10 +336,10 @@ class ReplicaClient:
         self, grads: list[torch.Tensor], versions: list[list[int]], record: dict[str, Any]
     ) -> None:
         pushes, sent = [], 0
-        for lane, grad, version in zip(self.lanes, grads, versions, strict=True):
-            lane_pushes, lane_sent = lane.server.push(grad, version, record["steps"])
-            pushes.append((lane.server, lane_pushes))
-            sent += lane_sent
+        for group, grad, version in zip(self.groups, grads, versions, strict=True):
+            group_pushes, group_sent = group.server.push(grad, version, record["steps"])
+            pushes.append((group.server, group_pushes))
+            sent += group_sent
         record.update(bytes_sent=sent, bytes_received=self._received)
         self._received = 0
         self.stats["pushes"] += 1
@@ -349,14 +352,14 @@ class ReplicaClient:
         backup, or restarted by Ray from its checkpoint, and the push sent again)."""
         still = []
         for pushes, record in self._pending:
-            futures = [push.future for _, lane_pushes in pushes for push in lane_pushes]
+            futures = [push.future for _, group_pushes in pushes for push in group_pushes]
             if not wait and not all(_ready(f) for f in futures):
                 still.append((pushes, record))
                 continue
-            applied = [a for server, lane_pushes in pushes for a in server.settle(lane_pushes)]
+            applied = [a for server, group_pushes in pushes for a in server.settle(group_pushes)]
             staleness = [stale for _, stale, _ in applied]
             scales = [scale for _, _, scale in applied]
-            lost = sum(lane.server.updates_lost for lane in self.lanes)
+            lost = sum(group.server.updates_lost for group in self.groups)
             record.update(
                 staleness=sum(staleness) / len(staleness) if staleness else None,
                 staleness_max=max(staleness) if staleness else None,
@@ -401,13 +404,13 @@ class ReplicaClient:
             self._pipeline = None
 
 
-def _shared_buffer(lane: Lane) -> torch.Tensor | None:
-    """A buffer in shared memory for the lane's next gradient (`gradient_buffer`), where
+def _shared_buffer(group: ServedGroup) -> torch.Tensor | None:
+    """A buffer in shared memory for the group's next gradient (`gradient_buffer`), where
     its parameters are float32 on the CPU; None: go on in its own memory."""
-    own = lane.flat.own_grads
+    own = group.flat.own_grads
     if own.dtype != torch.float32 or own.device.type != "cpu":
         return None
-    return lane.server.gradient_buffer()
+    return group.server.gradient_buffer()
 
 
 def _ready(future: Any) -> bool:  # noqa: ANN401

@@ -26,7 +26,7 @@ class Pipeline:
 
     def __init__(self, client: ReplicaClient) -> None:
         self.client = client
-        self.fresh = [torch.empty_like(lane.flat.params) for lane in client.lanes]
+        self.fresh = [torch.empty_like(group.flat.params) for group in client.groups]
         self.fresh_versions: list[list[int]] | None = None
         self.fresh_ready = threading.Event()
         self.steps_on_current = 0
@@ -60,13 +60,13 @@ class Pipeline:
             self._wait_fresh()
         with self.lock:
             if self.fresh_versions is not None:  # the buffers trade places, no copy
-                for i, (lane, versions) in enumerate(
-                    zip(self.client.lanes, self.fresh_versions, strict=True)
+                for i, (group, versions) in enumerate(
+                    zip(self.client.groups, self.fresh_versions, strict=True)
                 ):
-                    in_use = lane.flat.params
-                    lane.flat.use_params(self.fresh[i])
+                    in_use = group.flat.params
+                    group.flat.use_params(self.fresh[i])
                     self.fresh[i] = in_use
-                    lane.versions = versions
+                    group.versions = versions
                 self.fresh_versions = None
                 self.fresh_ready.clear()
                 self.steps_on_current = 0
@@ -104,8 +104,8 @@ class Pipeline:
                 if not self.running:
                     return
                 fetched = []
-                for lane, buffer in zip(client.lanes, buffers, strict=True):
-                    versions, received = lane.server.pull_into(buffer)
+                for group, buffer in zip(client.groups, buffers, strict=True):
+                    versions, received = group.server.pull_into(buffer)
                     fetched.append(versions)
                     with self.lock:
                         client._received += received

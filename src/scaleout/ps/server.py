@@ -33,7 +33,7 @@ from scaleout.nn.optim import OptimizerOptions
 from scaleout.ps import shared
 from scaleout.ps.backup import BackupKeeper, BackupPolicy, shard_nodes
 from scaleout.ps.layout import shard_ranges
-from scaleout.ps.nearby import RETRY_SECONDS, NearbyShards
+from scaleout.ps.same_node import RETRY_SECONDS, SameNodeShards
 from scaleout.ps.shard import ParameterShard, ShardLost
 from scaleout.ps.staleness import StalenessPolicy
 from scaleout.ps.wire import Wire
@@ -54,7 +54,7 @@ class Push:
     steps: int = 1  # training steps the gradient holds (the shards' schedule counts them)
 
 
-class ParameterServer(NearbyShards):
+class ParameterServer(SameNodeShards):
     """The client side of S shards holding one flat vector (`ranges[i]` on shard i).
 
     Each copy of the object (the driver's, each replica's) is one client with its own id:

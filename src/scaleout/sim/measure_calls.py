@@ -267,7 +267,7 @@ def measure_collect(
             times = []
             for _ in range(warmup + pushes):
                 client.push()
-                futures = [p.future for ps, _ in client._pending for _, lane in ps for p in lane]
+                futures = [p.future for ps, _ in client._pending for _, group in ps for p in group]
                 ray.wait(futures, num_returns=len(futures))  # every shard has applied it
                 started = time.perf_counter()
                 client._collect(wait=True)  # what the next push calls first

@@ -79,18 +79,18 @@ class OnShards:
     def _replicated(self, param: nn.Parameter) -> bool:
         return parts.is_replicated(self.model, param)
 
-    def _lane_params(self) -> list[list[tuple[str, nn.Parameter]]]:
+    def _group_params(self) -> list[list[tuple[str, nn.Parameter]]]:
         """This worker's parameters of the phase, one list per parameter group; on a grid,
         replicated parameters (alpha) are kept on shards by rank 0 only."""
-        lanes = []
+        served = []
         for g, group in enumerate(self.groups):
             params = [
                 (f"group{g}.{i}", p)
                 for i, p in enumerate(group["params"])
                 if not (self.partitioned and self.role.rank > 0 and self._replicated(p))
             ]
-            lanes.append(params)
-        return lanes
+            served.append(params)
+        return served
 
     def begin_phase(self, phase: int, fresh: bool = True) -> list[tuple[Tensor, float] | None]:
         """Make `phase` current (from its first minibatch when `fresh`; a layer-wise phase
@@ -103,7 +103,7 @@ class OnShards:
         if fresh and self.layerwise:
             self.objective.begin_phase(self.model, self._peek_batch(), phase)
         initial: list[tuple[Tensor, float] | None] = []
-        for group, params in zip(self.groups, self._lane_params(), strict=True):
+        for group, params in zip(self.groups, self._group_params(), strict=True):
             if not params:
                 initial.append(None)
                 continue
@@ -134,19 +134,19 @@ class OnShards:
                 self.epoch, self.batch, self._batches = 0, 0, None
             self._select_phase(phase)
         self.optimizer = None
-        lanes = [
+        served = [
             (params, server)
-            for params, server in zip(self._lane_params(), servers, strict=True)
+            for params, server in zip(self._group_params(), servers, strict=True)
             if params and server is not None
         ]
         after_pull = after_push = None
-        pushed = [p for params, _ in lanes for _, p in params]
+        pushed = [p for params, _ in served for _, p in params]
         clip = self.cfg.grad_clip_norm
         model = self.model
         if self.partitioned:
             replicated = [p for g in self.groups for p in g["params"] if self._replicated(p)]
-            lane_ids = {id(p) for params, _ in lanes for _, p in params}
-            others = [p for g in self.groups for p in g["params"] if id(p) not in lane_ids]
+            group_ids = {id(p) for params, _ in served for _, p in params}
+            others = [p for g in self.groups for p in g["params"] if id(p) not in group_ids]
 
             def after_pull() -> None:
                 parts.broadcast_replicated(model, replicated)
@@ -170,7 +170,7 @@ class OnShards:
         diloco = mode == "diloco"
         needed = self.partitioned or (clip is not None and not diloco)  # DiLoCo clips inside
         self.client = ReplicaClient(
-            lanes,
+            served,
             n_fetch,
             n_push,
             threads,

@@ -20,7 +20,7 @@ from scaleout.strategies.worker import Worker
 if TYPE_CHECKING:
     from scaleout.checkpoint import OptimizerState
     from scaleout.strategies.downpour import DownpourSection
-    from scaleout.strategies.downpour.lanes import Lanes
+    from scaleout.strategies.downpour.phase_shards import PhaseShards
     from scaleout.strategies.downpour.replicas import Replica
     from scaleout.strategies.group import Method, T
     from scaleout.train.protocol import Plan, Tensors
@@ -30,7 +30,7 @@ class ReplicaFailures:
     """A mixin of the Downpour strategy: failures, restarts, and restarted replicas joining."""
 
     opts: DownpourSection
-    lanes: Lanes
+    shards: PhaseShards
     replicas: list[Replica]
     alive: list[bool]
     restarts: list[int]
@@ -96,7 +96,7 @@ class ReplicaFailures:
             + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
         )
         replica.kill()
-        self.lanes.drop_windows(replica_id)  # with max_staleness, no one waits for it
+        self.shards.drop_windows(replica_id)  # with max_staleness, no one waits for it
         if restart:  # it starts while the others train; it joins when attached
             self.restarts[replica_id] += 1
             self.replicas[replica_id] = self._spawn(replica_id)

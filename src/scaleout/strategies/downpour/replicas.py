@@ -17,7 +17,7 @@ from scaleout.comm import WorkerDied
 from scaleout.nn.schedule import Schedule
 from scaleout.progress import console
 from scaleout.runtime import describe_failure
-from scaleout.strategies.downpour.lanes import Lanes
+from scaleout.strategies.downpour.phase_shards import PhaseShards
 from scaleout.strategies.group import ActorWorkers, Method, T, Where, spawn_worker
 from scaleout.strategies.layout import ModelParallelSection
 from scaleout.strategies.role import Role
@@ -128,12 +128,12 @@ class Replica:
             ray.kill(self.actor, no_restart=True)
 
 
-def placement(replicas: list[Replica], lanes: Lanes) -> dict[str, list[str]]:
+def placement(replicas: list[Replica], shards: PhaseShards) -> dict[str, list[str]]:
     """Where the replicas and the shards run (node addresses); printed when they span
     several nodes, and kept in checkpoints."""
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     nodes = [addresses.get(r.node(), "?") for r in replicas]
-    shards = lanes.nodes()
+    shards = shards.nodes()
     shard_nodes = [addresses.get(primary, "?") for primary, _ in shards]
     backup_nodes = [addresses.get(backup, "?") for _, backup in shards if backup is not None]
     if len(set(nodes + shard_nodes + backup_nodes)) > 1:

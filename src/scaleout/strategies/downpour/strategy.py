@@ -58,7 +58,7 @@ from scaleout.runtime import cpu_share
 from scaleout.strategies.downpour import DownpourSection
 from scaleout.strategies.downpour.checks import check_asynchrony, check_replica_steps
 from scaleout.strategies.downpour.failures import ReplicaFailures
-from scaleout.strategies.downpour.lanes import Lanes
+from scaleout.strategies.downpour.phase_shards import PhaseShards
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica, placement
 from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT, plot_staleness
@@ -126,7 +126,7 @@ class Downpour(ReplicaFailures):
         self.steps_lost = self.shard_updates_lost = 0
         self.replicas: list[Replica] = []
         self.alive = [True] * num
-        self.lanes = Lanes(job, self.opts, self.run)
+        self.shards = PhaseShards(job, self.opts, self.run)
         self.threads: bool | Literal["auto"] = False  # decided in `start`, on the cluster
         self.phase = -1
         self.step = self.assigned = self.examples = 0
@@ -190,7 +190,7 @@ class Downpour(ReplicaFailures):
         self._wall_start = time.time() - elapsed
         self.pushes = Pushes(self.run.path / PUSHES_FILE, self._wall_start)
         workers = self.grid.num_workers if self.grid is not None else 1
-        self.lanes.size(workers)  # fail now if they cannot fit; backups or not
+        self.shards.size(workers)  # fail now if they cannot fit; backups or not
         self.threads = self.opts.replica_threads(
             workers,
             self.job.run.num_threads,
@@ -207,7 +207,7 @@ class Downpour(ReplicaFailures):
         self._begin_phase(self._phase_of(self.step), fresh=self._at_phase_start())
         if resume is not None:
             self._say_which_shards_restored(resume)
-        self.placement = placement(self.replicas, self.lanes)
+        self.placement = placement(self.replicas, self.shards)
         self._reported = time.perf_counter()
         return {}
 
@@ -216,7 +216,7 @@ class Downpour(ReplicaFailures):
         starts from the driver's checkpoint: its weights, but a fresh optimizer state."""
         fresh = [
             f"{info['shard']}"
-            for _, server in self.lanes.all()
+            for _, server in self.shards.all()
             for info in server.info()
             if info["restored_version"] is None
         ]
@@ -269,7 +269,7 @@ class Downpour(ReplicaFailures):
 
     def _begin_phase(self, phase: int, fresh: bool) -> None:
         """Start phase `phase`'s shards from replica 0's values; attach every replica."""
-        self.lanes.retire()
+        self.shards.retire()
         self.phase = phase
         assert self._plan is not None
         if self._plan.phase_steps and phase > 0 and fresh:  # for replicas restarted later
@@ -278,7 +278,7 @@ class Downpour(ReplicaFailures):
         if fresh:  # DiLoCo: a new phase's parameters start a fresh optimizer
             self.inner = None
         phase_start = phase * self._plan.phase_steps if self._plan.phase_steps else 0
-        self.lanes.start(phase, initial, self.schedule, 0 if fresh else self.step - phase_start)
+        self.shards.start(phase, initial, self.schedule, 0 if fresh else self.step - phase_start)
         attach = [
             (r, replica.submit_each(Worker.attach, self._attach_args(replica, fresh, self.inner)))
             for r, replica in enumerate(self.replicas)
@@ -298,7 +298,7 @@ class Downpour(ReplicaFailures):
         return [
             (
                 self.phase,
-                self.lanes.for_worker(w),
+                self.shards.for_worker(w),
                 opts.n_fetch,
                 opts.n_push,
                 self.threads,
@@ -330,7 +330,7 @@ class Downpour(ReplicaFailures):
     def _check_shards(self) -> None:
         """Count shards that failed over to their backup or that Ray restarted (the updates
         they lost are counted by the replicas that had them acknowledged)."""
-        self.failures += self.lanes.restarts(self.step, self._wall_start)
+        self.failures += self.shards.restarts(self.step, self._wall_start)
 
     # --- training: chunks to whichever replicas are free -----------------------------------
 
@@ -434,7 +434,7 @@ class Downpour(ReplicaFailures):
         while self.in_flight:
             self._wait_one(chunk)
         self._settle_starting(wait=True)
-        if self.lanes.servers:
+        if self.shards.servers:
             self._finish_phase()
         return chunk
 
@@ -469,7 +469,7 @@ class Downpour(ReplicaFailures):
         return next(a for a in answers if a is not None)
 
     def state(self) -> tuple[Tensors, dict[str, Any]]:
-        self.lanes.checkpoint()
+        self.shards.checkpoint()
         tensors, meta = self._ask_first_alive(Worker.state, doing="checkpointing")[0]
         if self.opts.mode == "diloco":  # a replica restarted later starts from it at worst
             self.inner = optimizer_part(tensors, meta)
@@ -488,7 +488,7 @@ class Downpour(ReplicaFailures):
             "replica_failures": sum(1 for f in self.failures if "replica" in f),
             "replica_restarts": sum(self.restarts),
             "shard_restarts": sum(1 for f in self.failures if "shard" in f),
-            "shard_backups": self.lanes.backups,
+            "shard_backups": self.shards.backups,
             "steps_lost": self.steps_lost,
             "shard_updates_lost": self.shard_updates_lost,
         }
@@ -498,7 +498,7 @@ class Downpour(ReplicaFailures):
         for replica in self.replicas:
             replica.kill()
         self.replicas = []
-        self.lanes.retire()
+        self.shards.retire()
         if self.pushes is not None:
             self.pushes.close()
             self.pushes = None

@@ -33,7 +33,7 @@ GRADIENT_BUFFERS = 4  # per client (`gradient_buffer`)
 RETRY_SECONDS = 120.0
 
 
-class NearbyShards:
+class SameNodeShards:
     """A mixin of `ParameterServer`: its pulls and pushes through shared memory."""
 
     shards: list[Any]

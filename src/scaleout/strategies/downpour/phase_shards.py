@@ -29,7 +29,10 @@ from scaleout.train.job import Job
 Initial = list[list[tuple[torch.Tensor, float] | None]]  # [worker][group]: values, lr
 
 
-class Lanes:
+class PhaseShards:
+    """The parameter servers of the phase in training, per (grid worker, parameter group):
+    started, restarted after a failure, checkpointed and retired together."""
+
     def __init__(self, job: Job, opts: DownpourSection, run: RunDir) -> None:
         self.job, self.opts, self.run = job, opts, run
         self.servers: list[list[ParameterServer | None]] = []  # [grid worker][group]
@@ -74,10 +77,10 @@ class Lanes:
         opts = self.opts
         single = len(initial) == 1 and len(initial[0]) == 1
         for w, groups in enumerate(initial):
-            lane: list[ParameterServer | None] = []
+            row: list[ParameterServer | None] = []
             for g, entry in enumerate(groups):
                 if entry is None:  # rank 0 of the grid keeps this group
-                    lane.append(None)
+                    row.append(None)
                     continue
                 values, lr = entry
                 root = (
@@ -85,7 +88,7 @@ class Lanes:
                     if single
                     else self.run.shards / f"phase{phase}.worker{w}.group{g}"
                 )
-                lane.append(
+                row.append(
                     ParameterServer.create(
                         values,
                         min(opts.num_shards, values.numel()),
@@ -95,14 +98,14 @@ class Lanes:
                         opts.shard_checkpoint_every,
                         opts.shard_checkpoint_seconds,
                         resource=opts.shard_resource,
-                        wait=False,  # start every lane's processes at once
+                        wait=False,  # start every row's processes at once
                         backups=self.backups,
                         shared_memory=opts.shared_memory,
                         start_step=start_step,
                         staleness=self.staleness,
                     )
                 )
-            self.servers.append(lane)
+            self.servers.append(row)
         for _, server in self.all():
             server.wait()
         for (w, g), server in self.all():
@@ -133,8 +136,8 @@ class Lanes:
     def all(self) -> list[tuple[tuple[int, int], ParameterServer]]:
         return [
             ((w, g), server)
-            for w, lane in enumerate(self.servers)
-            for g, server in enumerate(lane)
+            for w, row in enumerate(self.servers)
+            for g, server in enumerate(row)
             if server is not None
         ]
 
