@@ -26,10 +26,9 @@ import tokenize
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -37,8 +36,7 @@ from pydantic.fields import FieldInfo
 PAGE = "reference/config.md"
 
 
-@dataclass(frozen=True)
-class Table:
+class Table(NamedTuple):
     """One documented section: the TOML table it is, a label for a member of a union
     (`kind = "mlp"`), and the pydantic model that defines its keys."""
 
@@ -106,6 +104,8 @@ def key_doc(model: type[BaseModel], key: str) -> str:
 
 
 _SOURCE_DOCS: dict[type, dict[str, str]] = {}
+_PRAGMA = re.compile(r"^(type:|noqa\b|pragma:|fmt:|ruff:|pyright:|mypy:)")
+_TRAILING_PRAGMA = re.compile(r"\s+#\s*(type:|noqa\b|pragma:|fmt:|ruff:|pyright:|mypy:).*$")
 
 
 def _source_docs(cls: type) -> dict[str, str]:
@@ -124,7 +124,9 @@ def _source_docs(cls: type) -> dict[str, str]:
         if token.type != tokenize.COMMENT:
             continue
         row, col = token.start
-        text = token.string.lstrip("#").strip()
+        text = _TRAILING_PRAGMA.sub("", token.string.lstrip("#").strip())
+        if not text or _PRAGMA.match(text):
+            continue  # a directive for type checkers or linters, not for readers
         if lines[row - 1][:col].strip():
             trailing[row] = text
         else:
@@ -215,12 +217,19 @@ def type_text(annotation: Any, metadata: Sequence[Any] = ()) -> str:  # noqa: AN
 
 
 def _constrained(text: str, metadata: Sequence[Any]) -> str:
-    bounds: list[str] = []
+    items: list[Any] = []
     for item in metadata:
-        if isinstance(item, FieldInfo):
-            bounds.extend(_bounds(item.metadata))
-            continue
-        bounds.extend(_bounds([item]))
+        items.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+    lengths = {
+        attr: getattr(item, attr)
+        for item in items
+        for attr in ("min_length", "max_length")
+        if getattr(item, attr, None) is not None
+    }
+    others = [i for i in items if not any(hasattr(i, a) for a in ("min_length", "max_length"))]
+    bounds = _bounds(others)
+    if lengths:
+        bounds += _bounds([types.SimpleNamespace(**lengths)])
     return f"{text} {', '.join(bounds)}" if bounds else text
 
 
@@ -231,10 +240,13 @@ def _bounds(items: list[Any]) -> list[str]:
             value = getattr(item, attr, None)
             if value is not None:
                 found.append(f"{sign} {_number(value)}")
-        if getattr(item, "min_length", None) is not None:
-            found.append(f"at least {item.min_length} long")
-        if getattr(item, "max_length", None) is not None:
-            found.append(f"at most {item.max_length} long")
+        low, high = getattr(item, "min_length", None), getattr(item, "max_length", None)
+        if low is not None and low == high:
+            found.append(f"exactly {low} long")
+        elif low is not None:
+            found.append(f"at least {low} long")
+        elif high is not None:
+            found.append(f"at most {high} long")
         if getattr(item, "pattern", None) is not None:
             found.append(f"matching `{item.pattern}`")
     return found
