@@ -20,11 +20,11 @@ buffer in shared memory instead: the push names the one it filled where it lies,
 `ParameterServer.gradient_buffer`).
 
 `groups` pairs each parameter group with the server whose shards hold it: several servers
-when parameter groups step differently (e.g. the sparse autoencoder's alpha on a shard of its own with a
-smaller learning rate). `after_pull` runs after each fetch (a model-parallel grid broadcasts
-its replicated parameters there); `before_push` before each push (the grid sums those
-parameters' gradients; a replica clips the gradient it pushes), and what it returns goes
-into the push's record; `after_push` after it. Each push carries the steps it holds, so
+when parameter groups step differently (e.g. the sparse autoencoder's alpha on a shard of
+its own with a smaller learning rate). `after_pull` runs after each fetch (a model-parallel
+grid broadcasts its replicated parameters there); `before_push` before each push (the grid
+sums those parameters' gradients; a replica clips the gradient it pushes), and what it
+returns goes into the push's record; `after_push` after it. Each push carries the steps it holds, so
 the shards know the global step their learning-rate schedule reads.
 
 With `bounded=True` the shards bound staleness (`downpour.max_staleness`): before the fetch

@@ -15,6 +15,9 @@ happens and what is shared:
 - a part of the data with no optimizer of its own (strategy "downpour"): a `ReplicaClient`
   fetches parameters from the parameter-server shards and pushes accumulated gradients.
 
+The update itself is the worker's `updater` (`scaleout.strategies.updaters`): its own
+optimizer (`LocalUpdate`) or the parameter server (`ShardUpdate`, set by `attach`).
+
 Seeds: every worker builds data and model after `torch.manual_seed(run.seed)`, so all start
 from the same weights, and worker 0's dropout stream is strategy "single"'s; other ranks and
 replicas draw their own. Data order depends only on (seed, phase, epoch), so a run resumes
@@ -26,9 +29,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,12 +47,10 @@ from scaleout.errors import UserError
 from scaleout.nn.optim import build_optimizer
 from scaleout.nn.schedule import Schedule
 from scaleout.parallel import (
-    average_tensors,
     fsdp,
     parallelize,
     parts,
     stages,
-    synced_state,
     tensor,
 )
 from scaleout.parallel.pipeline import (
@@ -62,16 +62,17 @@ from scaleout.parallel.pipeline import (
 )
 from scaleout.runtime import resolve_device
 from scaleout.strategies.role import Role
-from scaleout.strategies.worker_shards import OnShards
+from scaleout.strategies.updaters import LocalUpdate, ShardUpdate
+from scaleout.strategies.worker_shards import served_params, shard_update, start_values
 from scaleout.strategies.worker_state import WorkerState
 from scaleout.train.job import Job
 from scaleout.train.objective import Layerwise, Supervised, objective_for
 from scaleout.train.protocol import Chunk
-from scaleout.train.state import restored
 from scaleout.train.step import Stepper
 
 if TYPE_CHECKING:
-    from scaleout.ps import ReplicaClient
+    from scaleout.checkpoint import OptimizerState
+    from scaleout.ps import ParameterServer
 
 
 @dataclass
@@ -83,7 +84,7 @@ class WorkerChunk(Chunk):
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
-class Worker(WorkerState, OnShards):
+class Worker(WorkerState):
     def __init__(self, job: Job, role: Role, position: dict[str, int] | None = None) -> None:
         self.job, self.role, self.cfg = job, role, job.train
         self.device = resolve_device(job.run.device)
@@ -140,16 +141,20 @@ class Worker(WorkerState, OnShards):
         self.step = position.get("step", 0)
         self.phase = position.get("phase", 0)
         self.epoch, self.batch = position.get("epoch", 0), position.get("batch", 0)
-        self.optimizer: torch.optim.Optimizer | None = None
         self.groups: list[dict[str, Any]] = []
-        self.client: ReplicaClient | None = None
+        self.updater: LocalUpdate | ShardUpdate = LocalUpdate(None, self.stepper, self.model)
         self._select_phase(self.phase)
         if role.slice > 0 and role.sliced:  # its own dropout stream
             torch.manual_seed(derive_seed(seed, role.slice))
         elif role.replica > 0 or self.step > 0:
             torch.manual_seed(derive_seed(seed, role.replica, self.step))
         self._batches: Iterator[tuple[Tensor, ...]] | None = None
-        self._push_window = [0.0, 0, 0.0]  # loss sum, steps, compute seconds since a push
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer a checkpoint holds: the worker's own, DiLoCo's inner one, or None
+        (gradient pushes: the shards hold it)."""
+        return self.updater.optimizer
 
     def start(self) -> None:
         """After the process group is formed: the ranks agree on the codec's cost on the
@@ -196,11 +201,30 @@ class Worker(WorkerState, OnShards):
     # --- phases, optimizer, data ---------------------------------------------------------
 
     def _select_phase(self, phase: int) -> None:
-        """Train phase `phase`'s parameters from now on (a fresh optimizer for them)."""
+        """Train phase `phase`'s parameters from now on (a fresh optimizer for them, unless
+        the shards step them)."""
         self.phase = phase
         self.groups = list(self.objective.parameter_groups(self.model, phase, self.cfg.lr))
-        if self.client is None:
-            self.optimizer = build_optimizer(self.groups, self.job.optimizer_options())
+        if not isinstance(self.updater, ShardUpdate):
+            optimizer = build_optimizer(self.groups, self.job.optimizer_options())
+            self.updater = LocalUpdate(
+                optimizer,
+                self.stepper,
+                self.model,
+                self._sync_grads,
+                self.role.average_every,
+                self.role.world,
+            )
+
+    def _sync_grads(self) -> None:
+        """Before a step: a grid sums its replicated parameters' gradients; a pipeline sums
+        its tied copies' over the stages and averages each stage's over the pipelines."""
+        if self.partitioned:
+            parts.sync_grads(self.model)
+        if self.pipelined:
+            assert self.pipeline is not None
+            sum_tied_gradients(self.tied, self.pipeline, self.device)
+            average_gradients(self.model, self.replicas)
 
     def _data_seed(self) -> int:
         return derive_seed(self.data_seed, self.phase) if self.layerwise else self.data_seed
@@ -266,31 +290,18 @@ class Worker(WorkerState, OnShards):
             wait_s += time.perf_counter() - waiting
             if phase_steps and self.step % phase_steps == 0:  # a phase's first minibatch
                 self.objective.begin_phase(self.model, batch, self.phase)
-            if self.client is not None:
-                self.client.before_step()  # a fetch when one is due: not compute
+            self.updater.begin_step()  # Downpour: a fetch when one is due (not compute)
             computing = time.perf_counter()
-            if self.optimizer is not None and self.client is None:
-                self.optimizer.zero_grad(set_to_none=True)  # (a client zeroes its own)
             loss, step_sums = self.stepper.forward_backward(
                 self.objective, self.model, self.network, batch, self.phase
             )
-            if self.optimizer is not None:  # a worker's own step (DiLoCo: the inner one)
-                if self.partitioned:
-                    parts.sync_grads(self.model)
-                if self.pipelined:
-                    assert self.pipeline is not None
-                    sum_tied_gradients(self.tied, self.pipeline, self.device)
-                    average_gradients(self.model, self.replicas)
-                grad_norm = self.stepper.step(self.optimizer, self._schedule_step())
-            if self.client is not None:
-                self._after_backward(loss, time.perf_counter() - computing)
+            report = self.updater.end_step(loss, computing, self.step + 1, self._schedule_step())
+            if report.grad_norm is not None:
+                grad_norm = report.grad_norm
+            average_s += report.average_s
             self.step += 1
             steps += 1
             examples += len(batch[0])
-            if self.role.average_every and self.step % self.role.average_every == 0:
-                averaging = time.perf_counter()
-                self.average_now()
-                average_s += time.perf_counter() - averaging
             for name, value in step_sums.items():
                 sums[name] = sums[name] + value if name in sums else value
             if stop is not None and stop():
@@ -324,7 +335,7 @@ class Worker(WorkerState, OnShards):
         DiLoCo replica takes every num_replicas-th global step: its own step times that."""
         phase_steps = self.role.phase_steps
         step = self.step - self.phase * phase_steps if phase_steps else self.step
-        return step * self.role.num_replicas if self.client is not None else step
+        return step * self.role.num_replicas if isinstance(self.updater, ShardUpdate) else step
 
     def _phase_fields(self) -> dict[str, Any]:
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else self.cfg.lr
@@ -345,10 +356,98 @@ class Worker(WorkerState, OnShards):
             "lower train.lr"
         )
 
+    # --- on the parameter server (strategy "downpour") ---------------------------------------
+
+    def _served(self) -> list[list[tuple[str, nn.Parameter]]]:
+        return served_params(self.model, self.groups, self.partitioned, self.role.rank)
+
+    def begin_phase(self, phase: int, fresh: bool = True) -> list[tuple[Tensor, float] | None]:
+        """Make `phase` current (from its first minibatch when `fresh`; a layer-wise phase
+        then fits its start, e.g. alpha, on that minibatch); return what its shards start
+        from (`worker_shards.start_values`)."""
+        if fresh:
+            self.epoch, self.batch, self._batches = 0, 0, None
+        self._select_phase(phase)
+        if fresh and self.layerwise:
+            self.objective.begin_phase(self.model, self._peek_batch(), phase)
+        return start_values(self.groups, self._served(), self.cfg.lr)
+
+    def attach(
+        self,
+        phase: int,
+        servers: list[ParameterServer | None],
+        n_fetch: int,
+        n_push: int,
+        threads: bool | Literal["auto"] = False,
+        fresh: bool = True,
+        mode: Literal["gradients", "diloco"] = "gradients",
+        bounded: bool = False,
+        outer_scale: float = 1.0,
+        inner: OptimizerState | None = None,
+    ) -> None:
+        """Train phase `phase` through `servers` from now on (`worker_shards.shard_update`);
+        `inner`: DiLoCo's optimizer state to go on from (see `inner_state`)."""
+        if self.phase != phase or fresh:
+            if fresh:
+                self.epoch, self.batch, self._batches = 0, 0, None
+            self._select_phase(phase)
+        self.updater = shard_update(
+            self.job,
+            self.model,
+            self.groups,
+            self._served(),
+            servers,
+            self.stepper,
+            partitioned=self.partitioned,
+            pipeline=self.pipeline,
+            sync_grads=self._sync_grads,
+            diverged=self._diverged,
+            replica=self.role.replica,
+            worker=self.role.rank if self.partitioned or self.pipeline is not None else None,
+            n_fetch=n_fetch,
+            n_push=n_push,
+            threads=threads,
+            mode=mode,
+            bounded=bounded,
+            outer_scale=outer_scale,
+            inner=inner,
+        )
+
+    def inner_state(self) -> OptimizerState | None:
+        """DiLoCo: this replica's own optimizer state, for a replica that (re)starts
+        (`attach(inner=...)`); None in gradient mode, where the shards hold it."""
+        if isinstance(self.updater, ShardUpdate):
+            return self.updater.inner_state()
+        return None
+
+    def take_records(self) -> list[dict[str, Any]]:
+        """The push records since the last call (none off the parameter server)."""
+        if isinstance(self.updater, ShardUpdate):
+            return self.updater.take_records(self.step)
+        return []
+
+    def flush_pushes(self) -> list[dict[str, Any]]:
+        """Push what is left and wait until the shards applied it; the last push records."""
+        if isinstance(self.updater, ShardUpdate):
+            return self.updater.flush(self.step)
+        return []
+
+    def adopt_final(self) -> dict[str, Any]:
+        """Adopt the shards' final values and leave them (after every replica flushed);
+        return the client's statistics. DiLoCo's optimizer stays, for the last checkpoint."""
+        if not isinstance(self.updater, ShardUpdate):
+            return {}
+        stats = self.updater.detach()
+        inner = self.updater.inner
+        self.updater = inner if inner is not None else LocalUpdate(None, self.stepper, self.model)
+        return stats
+
+    # --- in sync "average" mode ----------------------------------------------------------
+
     def average_now(self) -> None:
         """Average weights and optimizer state over the group (sync "average" mode)."""
-        if self.role.average_every and self.optimizer is not None:
-            average_tensors(synced_state(self.model, self.optimizer))
+        if self.role.average_every and isinstance(self.updater, LocalUpdate):
+            self.updater.average_now()
 
     # --- evaluation and checkpoints ------------------------------------------------------
 
@@ -361,7 +460,7 @@ class Worker(WorkerState, OnShards):
         average in sync "average" mode); a sliced worker other than rank 0 answers None."""
         if self.pipelined:
             return self._evaluate_pipelined()
-        with self._shard_values(), self._averaged():
+        with self.updater.evaluated():
             if self.role.sliced and self.role.rank > 0 and not self.sharded:
                 return None  # (sharded: every rank's forward gathers the blocks together)
             options = {}
@@ -385,7 +484,7 @@ class Worker(WorkerState, OnShards):
         assert isinstance(runner, PipelineRunner)
         if self.role.slice > 0:
             return None
-        with self._shard_values(), self.stepper.autocast():
+        with self.updater.evaluated(), self.stepper.autocast():
             if runner.last:
                 return self.objective.evaluate(
                     Relayed(runner), self.test_set, self.cfg.eval_batch_size, self.device
@@ -399,14 +498,3 @@ class Worker(WorkerState, OnShards):
                 runner.relay(x.to(dtype) if x.is_floating_point() else x)
             self.model.train(was_training)
         return None
-
-    @contextmanager
-    def _averaged(self) -> Iterator[None]:
-        """Evaluate the average of the workers' weights without changing the workers."""
-        if not (self.role.average_every and self.role.world > 1):
-            yield
-            return
-        params = [p.data for p in self.model.parameters()]
-        with restored(params):
-            average_tensors(params)
-            yield

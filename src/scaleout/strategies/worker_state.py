@@ -21,9 +21,8 @@ from scaleout.parallel import fsdp, parts, stages
 from scaleout.train.state import load_model_state, load_model_weights, model_state
 
 if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
     from scaleout.strategies.role import Role
+    from scaleout.strategies.updaters import Updater
     from scaleout.train.job import Job
 
 
@@ -52,19 +51,21 @@ class WorkerState:
     if TYPE_CHECKING:  # defined by Worker and its other part
 
         def _select_phase(self, phase: int) -> None: ...
-        def _shard_values(self) -> AbstractContextManager[None]: ...
+
+        @property
+        def updater(self) -> Updater: ...
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The whole replica's weights (assembled over a grid), its optimizer's state (under
         Downpour, DiLoCo's inner one only) and the RNG, in strategy "single"'s format."""
         if self.pipelined:  # a collective: rank 0 gathers every stage's part
-            with self._shard_values():
+            with self.updater.values():
                 return self._gathered_stages()
         if self.sharded:  # a collective: rank 0 gets the whole state, the others nothing
             tensors, meta = fsdp.full_state(self.model, self.optimizer)
             tensors["rng.torch"] = torch.get_rng_state()
             return on_cpu_shared_once(tensors), meta
-        with self._shard_values():
+        with self.updater.values():
             tensors, meta = model_state(self.model, self.optimizer)
             if self.partitioned:
                 tensors = self._gathered(tensors)
