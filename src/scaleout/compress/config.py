@@ -19,9 +19,13 @@ CodecName = Literal[CODEC_NAMES]  # type: ignore[valid-type]
 class CompressSection(Section):
     """Compression of every message (Dettmers 2015): see `scaleout.compress`."""
 
+    # fp32: raw; fp16, bf16: 16-bit floats; dynamic8, dynamic8_bnb, static8, mantissa8, linear8:
+    # 8-bit codes (`scaleout.compress.tables`); onebit: each value's sign (needs error_feedback)
     codec: CodecName = "fp32"
     block_size: PositiveInt | None = None  # absmax per block of this many values; None: per tensor
     refresh_every: PositiveInt = 1  # recompute the absmax every k calls (the paper: 50)
+    # 8-bit codes: "nearest" (to the nearest code) or "paper" (the 2015 kernel's rounding);
+    # "paper" applies to dynamic8, static8, mantissa8 and linear8 only
     rounding: Literal["nearest", "paper"] = "nearest"
     exponent_offset: int | None = None  # static8 / mantissa8; None: the codec's default
     error_feedback: bool = False  # keep the quantisation residual and add it to the next message

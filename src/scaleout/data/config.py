@@ -38,7 +38,7 @@ class DataSource(Section):
 
 class _Subsets(DataSource):
     num_train: PositiveInt | None = None  # use only the first N examples (quick runs)
-    num_test: PositiveInt | None = None
+    num_test: PositiveInt | None = None  # use only the first N test examples; None: all
 
     def _cut(self, train: Any, test: Any) -> tuple[Dataset, Dataset]:  # noqa: ANN401
         if self.num_train is not None:
@@ -51,8 +51,9 @@ class _Subsets(DataSource):
 class ImageIdxData(_Subsets):
     """MNIST (shipped with the project) or Fashion-MNIST, read from IDX files."""
 
-    dataset: Literal["mnist", "fashion_mnist"]
+    dataset: Literal["mnist", "fashion_mnist"]  # which of the two; both are 28x28 grey, 10 classes
     path: Path | None = None  # default: $SCALEOUT_DATA, the project's copy, ../shared/data
+    # standardise pixels with the data set's fixed training mean and std; false: pixels in [0, 1]
     normalize: bool = True
 
     def check(self) -> None:
@@ -71,8 +72,8 @@ class ImageIdxData(_Subsets):
 class NpzData(_Subsets):
     """Arrays in one .npz file: x_train, y_train, x_test, y_test."""
 
-    dataset: Literal["npz"]
-    path: Path
+    dataset: Literal["npz"]  # selects this table: arrays from one .npz file
+    path: Path  # the .npz file (no pickled object arrays)
 
     def check(self) -> None:
         if not self.path.is_file():
@@ -92,11 +93,14 @@ class NpzData(_Subsets):
 class SyntheticData(DataSource):
     """Generated examples of any shape: class means plus noise, made on demand."""
 
-    dataset: Literal["synthetic"]
+    dataset: Literal["synthetic"]  # selects this table: generated examples
+    # the shape of one example, e.g. [784] or [3, 32, 32] (channels, height, width)
     input_shape: Annotated[list[PositiveInt], Field(min_length=1)]
-    num_classes: Annotated[int, Field(ge=2)] = 10
-    num_train: PositiveInt = 10_000
-    num_test: PositiveInt = 2_000
+    num_classes: Annotated[int, Field(ge=2)] = 10  # labels drawn uniformly from 0..num_classes-1
+    num_train: PositiveInt = 10_000  # training examples (made on demand, not stored)
+    num_test: PositiveInt = 2_000  # test examples: the same class means, other noise
+    # x = signal * the label's class mean + noise, both drawn standard normal; 0: the labels
+    # carry no information
     signal: NonNegativeFloat = 1.0
 
     def build(self, seed: int) -> tuple[Dataset, Dataset]:
@@ -116,12 +120,13 @@ class SyntheticData(DataSource):
 class PatchData(DataSource):
     """Whitened patches of scikit-image's bundled natural photos (unlabelled)."""
 
-    dataset: Literal["patches"]
+    dataset: Literal["patches"]  # selects this table: whitened natural-image patches
+    # side of each square patch, pixels; at most the smallest side of the chosen images
     patch_size: PositiveInt = 16
     # copies of the grey patch (a colour network's input); every copy is held in memory
     channels: Annotated[int, Field(ge=1, le=64)] = 1
-    num_train: PositiveInt = 10_000
-    num_test: PositiveInt = 1_000
+    num_train: PositiveInt = 10_000  # training patches, cut at random positions of the images
+    num_test: PositiveInt = 1_000  # test patches, cut the same way with another seed
     images: list[str] | None = None  # default: every bundled photo
 
     def build(self, seed: int) -> tuple[Dataset, Dataset]:
@@ -138,7 +143,7 @@ class ImagePreprocessing(_Subsets):
     """Krizhevsky et al.'s preprocessing, done by the loader: resize, subtract the mean
     image, random crop and horizontal flip (training split; the test split is centre-cropped)."""
 
-    path: Path
+    path: Path  # the data set's directory, laid out as the table's description says
     image_size: PositiveInt | None = None  # resize images to this side first; None: as stored
     crop: PositiveInt | None = None  # random crop side (227 of 256 in AlexNet); None: no crop
     flip: bool = True  # random horizontal flip of training images
@@ -156,7 +161,7 @@ class ImagePreprocessing(_Subsets):
 class ImageFolderData(ImagePreprocessing):
     """JPEG / PNG files in `path/train/<class>/*` and `path/test/<class>/*` (ImageFolder)."""
 
-    dataset: Literal["image_folder"]
+    dataset: Literal["image_folder"]  # selects this table: image files in class folders
 
     def build(self, seed: int) -> tuple[Dataset, Dataset]:
         from scaleout.data.images import ImageFolderDataset
@@ -173,7 +178,7 @@ class NpyData(ImagePreprocessing):
     """Images in .npy files: `path/{x,y}_{train,test}.npy`, x (N, H, W, C) uint8 or
     (N, C, H, W) float, read memory-mapped."""
 
-    dataset: Literal["npy"]
+    dataset: Literal["npy"]  # selects this table: image arrays in .npy files
 
     def build(self, seed: int) -> tuple[Dataset, Dataset]:
         from scaleout.data.images import NpyDataset
@@ -195,9 +200,11 @@ class FactoryData(DataSource):
     """A user's data: `factory = "package.module:function"` returning `(train, test)`,
     called with `kwargs` in every worker."""
 
-    dataset: Literal["factory"] = "factory"
+    dataset: Literal["factory"] = "factory"  # may be left out: a table with factory is this one
+    # "package.module:function" returning (train, test), two map-style torch Datasets of
+    # (x, y) or (x,); modules are imported from the working directory too
     factory: str
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # keyword arguments of the factory call
 
     @property
     def name(self) -> str:

@@ -49,9 +49,11 @@ class RegistryModel(Section):
 
 
 class MLPModel(RegistryModel):
-    kind: Literal["mlp"]
+    kind: Literal["mlp"]  # selects this table: a fully connected network
+    # layer widths from input to output: sizes[0] = the flattened input's features,
+    # sizes[-1] = the outputs (classes); one linear layer between each neighbouring pair
     sizes: Annotated[list[PositiveInt], Field(min_length=2)]
-    activation: Activation = "relu"
+    activation: Activation = "relu"  # after every linear layer but the last
     # Dropout before each linear layer: one value for all, or one per layer.
     dropout: Annotated[float, Field(ge=0, lt=1)] | list[Annotated[float, Field(ge=0, lt=1)]] = 0.0
 
@@ -73,12 +75,13 @@ class MLPModel(RegistryModel):
 class SpeechDNNModel(RegistryModel):
     """DistBelief's acoustic model: 11 frames x 40 features, 4 x 2560 sigmoid, softmax 8192."""
 
-    kind: Literal["speech_dnn"]
+    kind: Literal["speech_dnn"]  # selects this table: DistBelief's acoustic model
+    # frames per example; the input is context_frames x num_features values
     context_frames: PositiveInt = 11
-    num_features: PositiveInt = 40
-    hidden: PositiveInt = 2560
-    num_hidden_layers: PositiveInt = 4
-    num_classes: Annotated[int, Field(ge=2)] = 8192
+    num_features: PositiveInt = 40  # acoustic features per frame
+    hidden: PositiveInt = 2560  # sigmoid units per hidden layer
+    num_hidden_layers: PositiveInt = 4  # hidden layers, each of `hidden` units
+    num_classes: Annotated[int, Field(ge=2)] = 8192  # output classes (acoustic states)
 
     @property
     def hint(self) -> str:
@@ -98,18 +101,20 @@ class SparseAutoencoderModel(RegistryModel):
     stack.
     """
 
-    kind: Literal["sparse_autoencoder"]
-    in_channels: PositiveInt = 3
-    in_size: PositiveInt = 200
-    num_stacks: PositiveInt = 3
+    kind: Literal["sparse_autoencoder"]  # selects this table: the sparse autoencoder
+    in_channels: PositiveInt = 3  # channels of the input images (patches: data.channels)
+    in_size: PositiveInt = 200  # side of the square input images, pixels (patches: data.patch_size)
+    num_stacks: PositiveInt = 3  # stacks, trained one at a time, each on the previous one's output
     field: PositiveInt | list[PositiveInt] = 20  # receptive field side, pixels
     step: PositiveInt | list[PositiveInt] = 4  # between receptive fields, pixels
     block: Block | list[Block] = Field(default_factory=lambda: [4, 4, 8])  # neurons per field
+    # side of each L2 pooling window on the filter's output maps, in map pixels
     pool_size: PositiveInt | list[PositiveInt] = 5
-    pool_stride: PositiveInt | list[PositiveInt] = 1
+    pool_stride: PositiveInt | list[PositiveInt] = 1  # between pooling windows
+    # zeros added on every side of the map before pooling, at most pool_size // 2; 0: none
     pool_padding: NonNegativeInt | list[NonNegativeInt] = 0
     lcn_size: PositiveInt | list[PositiveInt] = 5  # Gaussian window side (odd)
-    lcn_sigma: PositiveFloat | list[PositiveFloat] = 1.0
+    lcn_sigma: PositiveFloat | list[PositiveFloat] = 1.0  # std of LCN's Gaussian window, pixels
     lcn_eps: PositiveFloat = 1e-2  # y = v / sqrt(lcn_eps + local variance)
     sparsity_weight: NonNegativeFloat = 0.1  # lambda of eq. 1
     eps: PositiveFloat = 1e-2  # sqrt(eps + pooled squares) in pooling and the sparsity term
@@ -212,10 +217,12 @@ class AlexNetModel(RegistryModel):
     connected with dropout, softmax. "alexnet": 227x227x3 in, ~61M parameters;
     "alexnet_small": the same shape scaled for a CPU (64x64 in, width 1/4)."""
 
+    # "alexnet": the paper's network on 227x227x3 images; "alexnet_small": 64x64x3, with
+    # a smaller first convolution and a quarter of the widths
     kind: Literal["alexnet", "alexnet_small"]
-    num_classes: Annotated[int, Field(ge=2)] = 1000
+    num_classes: Annotated[int, Field(ge=2)] = 1000  # outputs of the last layer (classes)
     width: PositiveFloat = 1.0  # multiplies every layer's width
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.5
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.5  # rate before each of fc6 and fc7
     groups: PositiveInt = 2  # conv2, conv4, conv5 split in two towers as in the paper
     lrn: bool = True  # local response normalisation after conv1 and conv2
 
@@ -229,9 +236,11 @@ class FactoryModel(Section):
     """A user's model: `factory = "package.module:function"` returning an `nn.Module`, called
     with `kwargs` in every worker."""
 
-    kind: Literal["factory"] = "factory"
+    kind: Literal["factory"] = "factory"  # may be left out: a table with factory is this one
+    # "package.module:function" returning an nn.Module; modules are imported from the
+    # working directory too
     factory: str
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # keyword arguments of the factory call
 
     @property
     def name(self) -> str:

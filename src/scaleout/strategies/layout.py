@@ -39,11 +39,17 @@ class ModelParallelSection(Section):
     # parts in `pipeline_split`, cut into this many contiguous stages, one per worker
     stages: PositiveInt = 1
     microbatches: PositiveInt | None = None  # per step through the stages; None: 2 x stages
+    # micro-batch order through the stages: "gpipe" (every forward, then every backward) or
+    # "1f1b" (forwards and backwards alternate, so fewer micro-batches' activations are held)
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     # tensor-parallel Linear layers (`scaleout.parallel.tensor`) over this many workers: each
     # named layer "colwise" (output features split) or "rowwise" (input features split)
     tensor: PositiveInt = 1
+    # {path of an nn.Linear in the model: "colwise" or "rowwise"}, e.g. {"mlp.0" = "colwise",
+    # "mlp.2" = "rowwise"}; needed (not empty) when tensor > 1
     tensor_plan: dict[str, Literal["colwise", "rowwise"]] = {}
+    # how a grid's workers exchange the pixels their neurons read: "all_to_all" (one
+    # all_to_all_single) or "p2p" (a send / receive per piece, batch_isend_irecv)
     transport: Literal["all_to_all", "p2p"] = "all_to_all"
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo
     timeout_s: TimeoutSeconds = 300.0  # a collective waiting longer than this fails

@@ -61,8 +61,11 @@ class SyncSection(Section):
     steps as `allreduce` for a model too big for one worker.
     """
 
+    # data-parallel workers (with model_parallel.stages = S: pipelines of S workers each);
+    # each trains an equal slice of train.batch_size, which must be a multiple of it
     num_workers: PositiveInt = 2
-    mode: Literal["allreduce", "average", "fsdp"] = "allreduce"
+    mode: Literal["allreduce", "average", "fsdp"] = "allreduce"  # how workers combine: see above
+    # "average": steps between the averages of weights and optimizer state; others ignore it
     average_every: PositiveInt = 1
     fsdp_blocks: list[str] | None = None  # module class names, e.g. ["GPT2Block"]
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: NCCL on CUDA, else gloo

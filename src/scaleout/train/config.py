@@ -26,9 +26,15 @@ FACTORY = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"  # "package.module:function"
 
 
 class RunSection(Section):
+    # the run directory's name (out_dir/name); one that already holds a run is an error
+    # unless the run resumes it (--resume) or replaces it (--overwrite)
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = "run"
+    # seeds the initial weights, generated data, data order, dropout and augmentation
     seed: NonNegativeInt = 0
+    # where each worker trains: "cpu", "cuda", "cuda:N", "mps"; "auto": CUDA where the
+    # worker's machine has it, else CPU (never MPS)
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")] = "auto"
+    # the directory that holds the run directories (relative: to the working directory)
     out_dir: Path = Path("runs")
     # torch intra-op threads; None: torch's default (at most 1024: torch takes a C int, and
     # no machine we run on has more cores)
@@ -46,12 +52,18 @@ class RunSection(Section):
 
 class TrainSection(Section):
     strategy: str = "single"  # a name of the strategy registry (checked where it is known)
+    # passes over the training set (training examples / batch_size steps each; per stack for
+    # a layer-wise model); unused when steps is set, and by sandblaster
     epochs: PositiveInt = 1
     steps: PositiveInt | None = None  # when set, overrides epochs
+    # examples per step: sync splits them among its workers, and a downpour step is one
+    # replica's batch; sandblaster ignores it ([sandblaster] batch_size)
     batch_size: PositiveInt = 128
     # sgd, momentum, adagrad, rmsprop, adam, adamw, or "package.module:function" building
     # one from the parameters: fn(params) -> torch.optim.Optimizer
     optimizer: str = "sgd"
+    # base learning rate of a named optimizer (a factory's optimizer keeps its own), scaled by
+    # lr_schedule each step; sandblaster ignores it (its line search picks the step)
     lr: PositiveFloat = 0.01
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9  # "momentum"; rmsprop/adam ignore it
     weight_decay: NonNegativeFloat = 0.0  # adamw: decoupled from the gradient
@@ -74,10 +86,10 @@ class TrainSection(Section):
     metrics: Annotated[str, Field(pattern=FACTORY)] | None = None
     eval_every: PositiveInt = 500  # steps between test evaluations (and one at the end)
     target_accuracy: Annotated[float, Field(gt=0, le=1)] | None = None  # stop when reached
-    eval_batch_size: PositiveInt = 1000
+    eval_batch_size: PositiveInt = 1000  # examples per forward pass of a test evaluation
     log_every: PositiveInt = 50  # steps between metrics lines
     checkpoint_every: PositiveInt = 1000  # steps between checkpoints (and one at the end)
-    keep_checkpoints: PositiveInt = 2
+    keep_checkpoints: PositiveInt = 2  # newest checkpoints kept; each write deletes older ones
     # A worker of a lock-step strategy (sync, model_parallel) that dies stops its group; the
     # driver restarts the strategy from the last checkpoint up to this many times.
     max_restarts: NonNegativeInt = 3

@@ -16,7 +16,11 @@ if TYPE_CHECKING:
 class DownpourSection(Section):
     """Downpour SGD on a sharded parameter server (DistBelief section 4.1)."""
 
+    # model replicas training asynchronously, each on its own part of the training set (every
+    # num_replicas-th example); at most the number of training examples
     num_replicas: PositiveInt = 2
+    # parameter-server shards (per parameter group and replica worker): each holds a slice
+    # of the parameters and steps the optimizer on it; at most the model's parameter count
     num_shards: PositiveInt = 2
     n_fetch: PositiveInt = 1  # steps between parameter fetches
     n_push: PositiveInt = 1  # steps between gradient pushes
@@ -32,10 +36,14 @@ class DownpourSection(Section):
     # What the shards do with a stale push: "none" (as it is), "inverse" (the step divided
     # by the staleness), "dc" (DC-ASGD's delay compensation, `dc_lambda`), "gap" (gap-aware)
     staleness_rule: Literal["none", "inverse", "dc", "gap"] = "none"
+    # staleness_rule "dc": lambda of g + lambda * g * g * (w_now - w_fetched); others ignore it
     dc_lambda: PositiveFloat = 0.04
     # DiLoCo's outer optimizer on the shards: SGD with Nesterov momentum, or plain SGD
     outer_optimizer: Literal["nesterov", "sgd"] = "nesterov"
+    # "diloco": the outer optimizer's learning rate, constant (no schedule, no warm-up);
+    # 0.7 with momentum 0.9 are the values of the DiLoCo paper
     outer_lr: PositiveFloat = 0.7
+    # "diloco" with outer_optimizer "nesterov": the momentum; "sgd" ignores it
     outer_momentum: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
     # Fetch, compute and push in three weakly synchronised threads (the paper's appendix).
     # Off by default: a replica then computes on parameters older than its own last push,
@@ -56,6 +64,7 @@ class DownpourSection(Section):
     # Custom Ray resources that pin shards / replicas to the nodes that offer them (start
     # those nodes with `ray start --resources '{"ps": 100}'`); None: anywhere, spread out.
     shard_resource: str | None = None
+    # the custom Ray resource that pins replicas, as shard_resource pins shards; None: anywhere
     replica_resource: str | None = None
 
     def replica_threads(

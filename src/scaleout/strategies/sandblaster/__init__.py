@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 class SandblasterSection(Section):
     """Sandblaster L-BFGS (DistBelief section 4.2): a coordinator that holds no parameters."""
 
+    # replicas: each sums loss and gradient over the portions the coordinator hands it
     num_replicas: PositiveInt = 2
+    # parameter-server shards: each holds a slice of the parameters and of L-BFGS's vectors
+    # and runs the coordinator's vector commands on it; at most the model's parameter count
     num_shards: PositiveInt = 2
     # L-BFGS memory m: (s, y) pairs kept on the shards (2m vectors a shard; the usual m is
     # 3-20, and the coordinator keeps m scalars)
@@ -26,6 +29,8 @@ class SandblasterSection(Section):
     batch_size: PositiveInt | None = None  # examples per L-BFGS batch; None: the training set
     push_every: PositiveInt = 4  # accepted portions a replica sums before pushing to shards
     backup_tasks: bool = True  # near a batch's end, idle replicas redo outstanding portions
+    # L-BFGS iterations, the run's steps (train.steps and epochs do not apply); a tolerance
+    # may stop it sooner
     max_iterations: PositiveInt = 100
     tolerance_grad: NonNegativeFloat = 1e-5  # stop when max |g_i| falls below
     tolerance_change: NonNegativeFloat = 1e-9  # stop when the objective changes less (relative)
