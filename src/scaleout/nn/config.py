@@ -223,7 +223,7 @@ class AlexNetModel(RegistryModel):
     num_classes: Annotated[int, Field(ge=2)] = 1000  # outputs of the last layer (classes)
     width: PositiveFloat = 1.0  # multiplies every layer's width
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.5  # rate before each of fc6 and fc7
-    groups: PositiveInt = 2  # conv2, conv4, conv5 split in two towers as in the paper
+    groups: PositiveInt = 2  # conv2, conv4, conv5 split in this many towers (2: the paper)
     lrn: bool = True  # local response normalisation after conv1 and conv2
 
     @property

@@ -61,10 +61,10 @@ from scaleout.parallel.pipeline import (
     sum_tied_gradients,
 )
 from scaleout.runtime import resolve_device
+from scaleout.strategies.held_model import HeldModel
 from scaleout.strategies.role import Role
 from scaleout.strategies.updaters import LocalUpdate, ShardUpdate
 from scaleout.strategies.worker_shards import served_params, shard_update, start_values
-from scaleout.strategies.worker_state import WorkerState
 from scaleout.train.job import Job
 from scaleout.train.objective import Layerwise, Supervised, objective_for
 from scaleout.train.protocol import Chunk
@@ -84,7 +84,7 @@ class WorkerChunk(Chunk):
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
-class Worker(WorkerState):
+class Worker:
     def __init__(self, job: Job, role: Role, position: dict[str, int] | None = None) -> None:
         self.job, self.role, self.cfg = job, role, job.train
         self.device = resolve_device(job.run.device)
@@ -104,18 +104,18 @@ class Worker(WorkerState):
         # the codec of the exchanges and of DDP's buckets; on a `compress.link`, one that
         # sends raw what is faster raw, once the ranks agreed on its cost (`start`)
         self.codec = job.compress.build_for_collectives()
-        self.stage_index: list[int] = []  # pipeline: the stage's parameters in the model's order
+        stage_index: list[int] = []  # pipeline: the stage's parameters in the model's order
         # pipeline: per parameter several stages hold, this stage's copy (or None), shape
         self.tied: list[tuple[nn.Parameter | None, tuple[int, ...]]] = []
-        self.aliases: dict[str, str] = {}
+        aliases: dict[str, str] = {}
         if role.stages > 1:  # this worker keeps its stage of the model
             try:
                 plan = stages.split(model, role.stages)
             except ValueError as err:
                 raise UserError(str(err)) from None
             stage = stages.stage_module(model, plan[role.stage])
-            self.stage_index = stages.trainable_index(model, stage)
-            self.aliases = unshared(model.state_dict())[1]  # tied names, for checkpoints
+            stage_index = stages.trainable_index(model, stage)
+            aliases = unshared(model.state_dict())[1]  # tied names, for checkpoints
             trainable = [p for p in model.parameters() if p.requires_grad]
             for tied in stages.tied_parameters(model, plan):
                 mine = trainable[tied.index] if role.stage in tied.stages else None
@@ -127,10 +127,7 @@ class Worker(WorkerState):
             model = parallelize(model, role.grid, role.rank, None, role.transport, self.codec)  # type: ignore[arg-type]
         self.model: nn.Module = model
         self.network: nn.Module = model  # what the forward pass runs: DDP wraps it (`start`)
-        self.partitioned = role.grid is not None
-        self.sharded = False  # FSDP applied (`start`): state and evaluation are collectives
-        self.pipelined = role.stages > 1  # state and evaluation are collectives too
-        self.pipeline: dist.ProcessGroup | None = None  # its stages (`start`)
+        self.held = HeldModel(model, role, self.device, stage_index, aliases)
         self.replicas: dist.ProcessGroup | None = None  # this stage in the other pipelines
         # Downpour replica r > 0 shuffles its own part; worker 0 is strategy "single"
         self.data_seed = seed if role.replica == 0 else derive_seed(seed, role.replica)
@@ -162,15 +159,15 @@ class Worker(WorkerState):
         (`role.fsdp`) and build the optimizer over the shards."""
         if isinstance(self.codec, OnLink) and self.role.world > 1:
             self.codec.agree(buckets=self.role.ddp)
-        if self.pipelined:
+        if self.held.pipelined:
             assert isinstance(self.model, stages.Stage) and isinstance(self.objective, Supervised)
-            self.pipeline, self.replicas = pipeline_groups(
+            self.held.pipeline, self.replicas = pipeline_groups(
                 self.role.world, self.role.stages, self.device
             )
-            self.stepper.stages = self.pipeline
+            self.stepper.stages = self.held.pipeline
             self.network = PipelineRunner(  # type: ignore[assignment]
                 self.model,
-                self.pipeline,
+                self.held.pipeline,
                 self.role.microbatches,
                 self.role.pipeline_schedule,  # type: ignore[arg-type]
                 self.objective.loss,
@@ -179,7 +176,7 @@ class Worker(WorkerState):
             )
         if self.role.tensor_plan and self.role.world > 1:
             tensor.tensor_parallel(self.model, dict(self.role.tensor_plan), self.device)
-            self.sharded = True  # DTensor weights: state and evaluation as under FSDP
+            self.held.sharded = True  # DTensor weights: state and evaluation as under FSDP
             self._select_phase(self.phase)  # the optimizer over the split parameters
         if self.role.fsdp and self.role.world > 1:
             blocks = self.role.fsdp_blocks
@@ -188,7 +185,7 @@ class Worker(WorkerState):
                 fsdp.shard(self.model, list(blocks) if blocks is not None else None, comms)
             except ValueError as err:
                 raise UserError(str(err)) from None
-            self.sharded = True
+            self.held.sharded = True
             self._select_phase(self.phase)  # the optimizer over the sharded parameters
         if self.role.ddp and self.role.world > 1:
             ids = [self.device.index or 0] if self.device.type == "cuda" else None
@@ -219,11 +216,11 @@ class Worker(WorkerState):
     def _sync_grads(self) -> None:
         """Before a step: a grid sums its replicated parameters' gradients; a pipeline sums
         its tied copies' over the stages and averages each stage's over the pipelines."""
-        if self.partitioned:
+        if self.held.partitioned:
             parts.sync_grads(self.model)
-        if self.pipelined:
-            assert self.pipeline is not None
-            sum_tied_gradients(self.tied, self.pipeline, self.device)
+        if self.held.pipelined:
+            assert self.held.pipeline is not None
+            sum_tied_gradients(self.tied, self.held.pipeline, self.device)
             average_gradients(self.model, self.replicas)
 
     def _data_seed(self) -> int:
@@ -346,7 +343,7 @@ class Worker(WorkerState):
             return {}
         names = list(sums)
         stacked = torch.stack([sums[n].double() for n in names])
-        if self.partitioned:
+        if self.held.partitioned:
             stacked = parts.reduce_parts(self.model, stacked)
         return dict(zip(names, stacked.tolist(), strict=True))
 
@@ -359,7 +356,7 @@ class Worker(WorkerState):
     # --- on the parameter server (strategy "downpour") ---------------------------------------
 
     def _served(self) -> list[list[tuple[str, nn.Parameter]]]:
-        return served_params(self.model, self.groups, self.partitioned, self.role.rank)
+        return served_params(self.model, self.groups, self.held.partitioned, self.role.rank)
 
     def begin_phase(self, phase: int, fresh: bool = True) -> list[tuple[Tensor, float] | None]:
         """Make `phase` current (from its first minibatch when `fresh`; a layer-wise phase
@@ -398,12 +395,14 @@ class Worker(WorkerState):
             self._served(),
             servers,
             self.stepper,
-            partitioned=self.partitioned,
-            pipeline=self.pipeline,
+            partitioned=self.held.partitioned,
+            pipeline=self.held.pipeline,
             sync_grads=self._sync_grads,
             diverged=self._diverged,
             replica=self.role.replica,
-            worker=self.role.rank if self.partitioned or self.pipeline is not None else None,
+            worker=self.role.rank
+            if self.held.partitioned or self.held.pipeline is not None
+            else None,
             n_fetch=n_fetch,
             n_push=n_push,
             threads=threads,
@@ -449,7 +448,48 @@ class Worker(WorkerState):
         if self.role.average_every and isinstance(self.updater, LocalUpdate):
             self.updater.average_now()
 
-    # --- evaluation and checkpoints ------------------------------------------------------
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The whole replica's weights (assembled over a grid, shards or stages: a
+        collective there), its optimizer's state (under Downpour, DiLoCo's inner one only)
+        and the RNG, in strategy "single"'s format; the shards' values under Downpour."""
+        with self.updater.values():
+            tensors, meta = self.held.state(self.optimizer)
+        if self.layerwise and not (self.held.pipelined or self.held.sharded):
+            meta["stack"] = self.phase
+        return tensors, meta
+
+    def restore(self, tensors: dict[str, Tensor], meta: dict[str, Any], source: str) -> None:
+        """Continue from a checkpoint of `state()` (made under any strategy and layout that
+        trains the same model); `meta["step"]` is where."""
+        self.step = int(meta["step"])
+        phase_steps = self.role.phase_steps
+        self._select_phase(int(meta.get("stack", 0)) if self.layerwise else 0)
+        within = self.step - self.phase * phase_steps if phase_steps else self.step
+        self.epoch, self.batch = divmod(within, self.batches_per_epoch)
+        self._batches = None
+        self.held.load_state(self.optimizer, tensors, meta, source)
+        if self.role.sliced and self.role.slice > 0:  # its own dropout stream
+            rank_rng = f"rng.torch.{self.role.rank}"
+            if rank_rng in tensors:
+                torch.set_rng_state(tensors[rank_rng])
+            else:
+                torch.manual_seed(derive_seed(self.job.run.seed, self.role.slice, self.step))
+
+    def load_weights(self, tensors: dict[str, Tensor], source: str) -> None:
+        """Take the model weights of a checkpoint (a Downpour replica restored from it)."""
+        self.held.load_weights(tensors, source)
+
+    def held_bytes(self) -> dict[str, int]:
+        """The parameter and optimizer-state bytes this worker holds (its shards under
+        FSDP)."""
+        return self.held.held_bytes(self.optimizer)
+
+    def rng_state(self) -> Tensor:
+        return torch.get_rng_state()
+
+    # --- evaluation ----------------------------------------------------------------------
 
     def _evaluated_phase(self) -> int:
         phase_steps = self.role.phase_steps
@@ -458,13 +498,13 @@ class Worker(WorkerState):
     def evaluate(self) -> dict[str, float] | None:
         """Test metrics of the current parameters (the shards' under Downpour; the workers'
         average in sync "average" mode); a sliced worker other than rank 0 answers None."""
-        if self.pipelined:
+        if self.held.pipelined:
             return self._evaluate_pipelined()
         with self.updater.evaluated():
-            if self.role.sliced and self.role.rank > 0 and not self.sharded:
+            if self.role.sliced and self.role.rank > 0 and not self.held.sharded:
                 return None  # (sharded: every rank's forward gathers the blocks together)
             options = {}
-            if self.partitioned:
+            if self.held.partitioned:
                 options["reduce"] = lambda values: parts.reduce_parts(self.model, values)
             with self.stepper.autocast():
                 return self.objective.evaluate(

@@ -59,13 +59,14 @@ class TrainSection(Section):
     # examples per step: sync splits them among its workers, and a downpour step is one
     # replica's batch; sandblaster ignores it ([sandblaster] batch_size)
     batch_size: PositiveInt = 128
-    # sgd, momentum, adagrad, rmsprop, adam, adamw, or "package.module:function" building
-    # one from the parameters: fn(params) -> torch.optim.Optimizer
+    # sgd, momentum, nesterov, adagrad, rmsprop, adam, adamw, or "package.module:function"
+    # building one from the parameters: fn(params) -> torch.optim.Optimizer
     optimizer: str = "sgd"
     # base learning rate of a named optimizer (a factory's optimizer keeps its own), scaled by
     # lr_schedule each step; sandblaster ignores it (its line search picks the step)
     lr: PositiveFloat = 0.01
-    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9  # "momentum"; rmsprop/adam ignore it
+    # "momentum" and "nesterov"; the others ignore it
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     weight_decay: NonNegativeFloat = 0.0  # adamw: decoupled from the gradient
     # adam, adamw: the moments' decay rates; None: torch's (0.9, 0.999)
     betas: tuple[Beta, Beta] | None = None
