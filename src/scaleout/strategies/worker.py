@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,9 +40,8 @@ from torch.nn.parallel import DistributedDataParallel
 from scaleout.checkpoint import unshared
 from scaleout.compress.fsdp import fsdp_comms
 from scaleout.compress.link import OnLink
-from scaleout.data import derive_seed, make_loader, num_batches
+from scaleout.data import derive_seed, make_loader
 from scaleout.data.parts import data_part
-from scaleout.data.prefetch import DevicePrefetcher
 from scaleout.errors import UserError
 from scaleout.nn.optim import build_optimizer
 from scaleout.nn.schedule import Schedule
@@ -61,6 +60,7 @@ from scaleout.parallel.pipeline import (
     sum_tied_gradients,
 )
 from scaleout.runtime import resolve_device
+from scaleout.strategies.batches import Batches
 from scaleout.strategies.held_model import HeldModel
 from scaleout.strategies.role import Role
 from scaleout.strategies.updaters import LocalUpdate, ShardUpdate
@@ -131,13 +131,19 @@ class Worker:
         self.replicas: dist.ProcessGroup | None = None  # this stage in the other pipelines
         # Downpour replica r > 0 shuffles its own part; worker 0 is strategy "single"
         self.data_seed = seed if role.replica == 0 else derive_seed(seed, role.replica)
-        size = len(self.train_set)  # type: ignore[arg-type]
-        self.drop_last = size >= self.cfg.batch_size
-        self.batches_per_epoch = num_batches(size, self.cfg.batch_size, self.drop_last)
+        self.batches = Batches(
+            self.train_set,
+            self.cfg.batch_size,
+            job.loader,
+            self.device,
+            self.finish_batch,
+            part=role.slice if role.sliced else 0,
+            num_parts=role.slices if role.sliced else 1,
+        )
         position = position or {}
         self.step = position.get("step", 0)
         self.phase = position.get("phase", 0)
-        self.epoch, self.batch = position.get("epoch", 0), position.get("batch", 0)
+        self.batches.seek(position.get("epoch", 0), position.get("batch", 0))
         self.groups: list[dict[str, Any]] = []
         self.updater: LocalUpdate | ShardUpdate = LocalUpdate(None, self.stepper, self.model)
         self._select_phase(self.phase)
@@ -145,7 +151,6 @@ class Worker:
             torch.manual_seed(derive_seed(seed, role.slice))
         elif role.replica > 0 or self.step > 0:
             torch.manual_seed(derive_seed(seed, role.replica, self.step))
-        self._batches: Iterator[tuple[Tensor, ...]] | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -201,6 +206,9 @@ class Worker:
         """Train phase `phase`'s parameters from now on (a fresh optimizer for them, unless
         the shards step them)."""
         self.phase = phase
+        seed = derive_seed(self.data_seed, phase) if self.layerwise else self.data_seed
+        if seed != self.batches.seed:  # a layer-wise phase reads in its own order
+            self.batches.seek(self.batches.epoch, self.batches.batch, seed)
         self.groups = list(self.objective.parameter_groups(self.model, phase, self.cfg.lr))
         if not isinstance(self.updater, ShardUpdate):
             optimizer = build_optimizer(self.groups, self.job.optimizer_options())
@@ -223,48 +231,8 @@ class Worker:
             sum_tied_gradients(self.tied, self.held.pipeline, self.device)
             average_gradients(self.model, self.replicas)
 
-    def _data_seed(self) -> int:
-        return derive_seed(self.data_seed, self.phase) if self.layerwise else self.data_seed
-
-    def _loader(self) -> Iterator[tuple[Tensor, ...]]:
-        role, loader_cfg = self.role, self.job.loader
-        loader = make_loader(
-            self.train_set,
-            self.cfg.batch_size,
-            shuffle=True,
-            seed=self._data_seed(),
-            epoch=self.epoch,
-            start_batch=self.batch,
-            workers=loader_cfg.workers,
-            pin_memory=loader_cfg.pins(self.device),
-            drop_last=self.drop_last,
-            prefetch_factor=loader_cfg.prefetch_factor,
-            part=role.slice if role.sliced else 0,
-            num_parts=role.slices if role.sliced else 1,
-        )
-        ahead = loader_cfg.device_prefetch
-        return iter(DevicePrefetcher(loader, self.device, ahead, finish=self.finish_batch))
-
-    def _next_batch(self) -> tuple[Tensor, ...]:
-        if self._batches is None:
-            self._batches = self._loader()
-        try:
-            batch = next(self._batches)
-        except StopIteration:
-            self.epoch, self.batch = self.epoch + 1, 0
-            self._batches = self._loader()
-            batch = next(self._batches)
-        self.batch += 1
-        return batch
-
-    def _peek_batch(self) -> tuple[Tensor, ...]:
-        """The next minibatch, left to be trained on next."""
-        batch = next(self._loader())
-        self._batches = None
-        return batch
-
     def position(self) -> dict[str, int]:
-        return {"step": self.step, "phase": self.phase, "epoch": self.epoch, "batch": self.batch}
+        return {"step": self.step, "phase": self.phase, **self.batches.position()}
 
     # --- training ------------------------------------------------------------------------
 
@@ -280,10 +248,10 @@ class Worker:
         for _ in range(num_steps):
             phase_steps = self.role.phase_steps
             if phase_steps and self.step // phase_steps != self.phase:  # the next phase
-                self.epoch, self.batch, self._batches = 0, 0, None
+                self.batches.seek(0, 0)
                 self._select_phase(self.step // phase_steps)
             waiting = time.perf_counter()
-            batch = self._next_batch()
+            batch = self.batches.next()
             wait_s += time.perf_counter() - waiting
             if phase_steps and self.step % phase_steps == 0:  # a phase's first minibatch
                 self.objective.begin_phase(self.model, batch, self.phase)
@@ -308,7 +276,7 @@ class Worker:
         if not math.isfinite(loss_sum):
             self._diverged(loss_sum / max(examples, 1))
         correct = values.pop("correct", None)
-        fields: dict[str, Any] = {"epoch": self.epoch, **self._phase_fields()}
+        fields: dict[str, Any] = {"epoch": self.batches.epoch, **self._phase_fields()}
         fields["data_wait_s"] = wait_s / max(steps, 1)  # per step: loading not hidden
         if grad_norm is not None:  # the last step's, before clipping
             fields["grad_norm"] = float(grad_norm)
@@ -363,10 +331,10 @@ class Worker:
         then fits its start, e.g. alpha, on that minibatch); return what its shards start
         from (`worker_shards.start_values`)."""
         if fresh:
-            self.epoch, self.batch, self._batches = 0, 0, None
+            self.batches.seek(0, 0)
         self._select_phase(phase)
         if fresh and self.layerwise:
-            self.objective.begin_phase(self.model, self._peek_batch(), phase)
+            self.objective.begin_phase(self.model, self.batches.peek(), phase)
         return start_values(self.groups, self._served(), self.cfg.lr)
 
     def attach(
@@ -386,7 +354,7 @@ class Worker:
         `inner`: DiLoCo's optimizer state to go on from (see `inner_state`)."""
         if self.phase != phase or fresh:
             if fresh:
-                self.epoch, self.batch, self._batches = 0, 0, None
+                self.batches.seek(0, 0)
             self._select_phase(phase)
         self.updater = shard_update(
             self.job,
@@ -467,8 +435,7 @@ class Worker:
         phase_steps = self.role.phase_steps
         self._select_phase(int(meta.get("stack", 0)) if self.layerwise else 0)
         within = self.step - self.phase * phase_steps if phase_steps else self.step
-        self.epoch, self.batch = divmod(within, self.batches_per_epoch)
-        self._batches = None
+        self.batches.seek(*divmod(within, self.batches.per_epoch))
         self.held.load_state(self.optimizer, tensors, meta, source)
         if self.role.sliced and self.role.slice > 0:  # its own dropout stream
             rank_rng = f"rng.torch.{self.role.rank}"
