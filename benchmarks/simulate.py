@@ -7,7 +7,9 @@ with evaluations and a checkpoint as a user's run has them) and is simulated wit
 (every process on this machine, as `scaleout train` runs it). A row is the prediction's error in
 percent of the measured median: `simulated examples/s / measured - 1`; the spread of the
 repeats (max - min over the median) is in its name, the summary rows give the mean and the
-worst absolute error against the issue's targets (7% and 20%).
+worst absolute error against the targets (7% and 20%). Each case is also priced with each
+of the engine's correction terms removed in turn (`simulate_ablation`): the summary gives
+the mean error without each, and whether the term moves it enough to keep.
 
 A shared machine's speed drifts within minutes by more than the simulator's own errors,
 and the suite lasts over an hour; its calls between processes drift more than its compute
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks import Row, SuiteResult, register_suite, simulate_testnet
+from benchmarks.simulate_ablation import TERMS, verdict, without
 from scaleout.sim.calibration import Calibration, MessageCost
 
 REPEATS = 3
@@ -264,6 +267,8 @@ class _Outcome:
     around: list[float]  # simulated, priced by the costs measured before / after the runs
     at_start: float  # simulated, priced by the calibration made at the start
     costs: list[str] = field(default_factory=list)  # `_costs` at the start, before, after
+    # simulated as `around`, with one correction term removed (`simulate_ablation.TERMS`)
+    ablated: dict[str, float] = field(default_factory=dict)
 
     @property
     def simulated(self) -> float:
@@ -298,6 +303,25 @@ class _Outcome:
                 for when, costs in zip(("start", "before", "after"), self.costs, strict=False)
             )
         )
+
+
+def _ablation(outcomes: list[_Outcome]) -> tuple[list[Row], list[str]]:
+    """Per correction term, the suite's mean absolute error with the term removed, and
+    whether it moves the mean enough to keep."""
+    full = statistics.mean(abs(o.error()) for o in outcomes)
+    rows, notes = [], []
+    for term in TERMS:
+        if not all(term in o.ablated for o in outcomes):
+            continue
+        mean = statistics.mean(abs(o.error(o.ablated[term])) for o in outcomes)
+        worst = max(abs(o.error(o.ablated[term])) for o in outcomes)
+        decision = verdict(full, mean)
+        rows.append(Row(f"mean absolute error without {term} ({decision})", mean, "%", "lower"))
+        notes.append(
+            f"without {term}: mean |error| {mean:.1f}% ({mean - full:+.1f} pp against "
+            f"{full:.1f}% with every term), worst {worst:.1f}%: {decision}"
+        )
+    return rows, notes
 
 
 def _summary(outcomes: list[_Outcome]) -> list[Row]:
@@ -370,9 +394,18 @@ def run() -> SuiteResult:
             ]
             at_start = _simulated(case, root, cal_path, networks)["examples_per_s"]
             costs = [_costs(path, configs[case]) for path in (cal_path, before, after)]
-            outcome = _Outcome(case, measured, around, at_start, costs)
+            ablated = {
+                term: statistics.mean(
+                    _simulated(case, root, without(term, path, root), networks)["examples_per_s"]
+                    for path in (before, after)
+                )
+                for term in TERMS
+            }
+            outcome = _Outcome(case, measured, around, at_start, costs, ablated)
             print(outcome.note(), flush=True)  # in the log as it comes: the suite takes an hour
             outcomes.append(outcome)
-    rows = [outcome.row() for outcome in outcomes] + _summary(outcomes)
+    ablation_rows, ablation_notes = _ablation(outcomes) if outcomes else ([], [])
+    rows = [outcome.row() for outcome in outcomes] + _summary(outcomes) + ablation_rows
     notes.extend(outcome.note() for outcome in outcomes)
+    notes.extend(ablation_notes)
     return SuiteResult(rows, notes=notes, contended="contended" in calibration.notes)

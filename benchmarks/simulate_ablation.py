@@ -1,0 +1,76 @@
+"""The simulator's correction terms, each removed in turn (suite `simulate`'s ablation).
+
+Beyond processor sharing of cores and links, the engine charges calibrated corrections:
+each is a cost the simple model missed on a real run. A term earns its place when pricing
+the held-out runs without it moves the suite's mean absolute error by at least `KEEP_PP`
+percentage points; the others are candidates for deletion. Removing a term means pricing
+with its neutral value in a copy of the calibration, so the engine and the cases stay as
+they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from scaleout.sim.calibration import Calibration
+
+KEEP_PP = 1.0  # a term that moves the mean error by less is not worth its code
+
+
+def _models(update: dict[str, object]) -> Callable[[Calibration], Calibration]:
+    def remove(calibration: Calibration) -> Calibration:
+        models = {k: m.model_copy(update=update) for k, m in calibration.models.items()}
+        return calibration.model_copy(update={"models": models})
+
+    return remove
+
+
+def _lockstep(update: dict[str, object]) -> Callable[[Calibration], Calibration]:
+    def remove(calibration: Calibration) -> Calibration:
+        lockstep = {k: c.model_copy(update=update) for k, c in calibration.lockstep.items()}
+        return calibration.model_copy(update={"lockstep": lockstep})
+
+    return remove
+
+
+def _no_extra(calibration: Calibration) -> Calibration:
+    lockstep = {
+        kind: cost.model_copy(
+            update={"extra_s": [[0.0] * len(cost.gaps_s) for _ in cost.measured_bytes]}
+            | {"extra_core_s": []}
+        )
+        for kind, cost in calibration.lockstep.items()
+    }
+    return calibration.model_copy(update={"lockstep": lockstep})
+
+
+# term -> the calibration without it (its neutral value)
+TERMS: dict[str, Callable[[Calibration], Calibration]] = {
+    # processes computing at once slow each other beyond sharing the cores
+    "slowdown": _models({"concurrent_s": {}}),
+    # a step needs more CPU while calls to a shard run beside it
+    "beside calls": _models({"beside_calls": 1.0}),
+    # computing jobs lose wall time when a call starts, with a core idle
+    "call wait": _models({"call_wait_s": 0.0}),
+    # ... and with every core computing (None: the idle-core wait stands)
+    "busy-call wait": _models({"call_wait_busy_s": None}),
+    # a collective or a shard call costs more after compute than back to back
+    "after-compute extra": _no_extra,
+    # each hop of a call waits for a core when every core is busy
+    "hop wait": _lockstep({"hop_wait_s": []}),
+    # cores the machine's own background keeps busy
+    "idle cores": lambda c: c.model_copy(update={"idle_cores": 0.0}),
+}
+
+
+def without(term: str, path: Path, out_dir: Path) -> Path:
+    """The calibration at `path` without `term`, saved beside the others in `out_dir`."""
+    removed = TERMS[term](Calibration.load(path))
+    out = out_dir / f"{path.stem}.without_{term.replace(' ', '_')}.json"
+    return removed.save(out)
+
+
+def verdict(full_error: float, without_error: float) -> str:
+    """'keep' when removing the term moves the mean error by at least `KEEP_PP`."""
+    return "keep" if abs(without_error - full_error) >= KEEP_PP else "delete"
