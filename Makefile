@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_CONFIG ?= configs/mnist_downpour.toml
 PYTEST_ARGS ?=
+# the docs plugins' notices about MkDocs' own future, printed on every build
+export NO_MKDOCS_2_WARNING := 1
+export DISABLE_MKDOCS_2_WARNING := true
 
 .PHONY: demo test test-slow test-all lint docs docs-serve bench clean
 
