@@ -1,6 +1,7 @@
 """The `simulate` suite's held-out cases stay valid configs the simulator can run."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +9,10 @@ from benchmarks import available_suites
 from benchmarks.simulate import CASES, _configs_dir, _overrides
 from scaleout.api import load_config
 from scaleout.sim.simulate import simulation_for
+
+# A calibration to price the cases with: a copy of one `scaleout calibrate` wrote, kept here
+# as a fixture so that no test reads the published results/ (which a new calibration replaces).
+CALIBRATION = Path(__file__).resolve().parent / "fixtures" / "calibration.json"
 
 
 def test_cases_are_valid_configs_with_a_simulation(tmp_path):
@@ -28,12 +33,11 @@ def test_testnet_cases_are_priced_on_two_machines_over_the_measured_network(tmp_
     """A case with a link rate is simulated on two machines of this box (one replica and one
     shard each) over the link set into its calibration, never over a named one, and its
     calls across the link cost what was measured beyond the same calls on one host."""
-    from pathlib import Path
 
     from benchmarks.simulate import _simulated
     from scaleout.sim.calibration import LinkCost, MessageCost
 
-    calibration = Path(__file__).resolve().parents[2] / "results" / "calibration.json"
+    calibration = CALIBRATION
     case = next(c for c in CASES if c.link == "100mbit" and "8-bit" not in c.name)
 
     def simulated(rate, across_s=None):
@@ -82,7 +86,6 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     """Around a case's runs the suite measures again its model's compute and the calls and
     codecs its strategy uses, and keeps the rest of the calibration."""
     import contextlib
-    from pathlib import Path
 
     import torch
 
@@ -92,7 +95,7 @@ def test_each_case_is_priced_by_what_its_strategy_uses_measured_again(monkeypatc
     from scaleout.sim.measure_beside import BesideCalls
     from scaleout.sim.measuring import model_key
 
-    start = Calibration.load(Path(__file__).resolve().parents[2] / "results" / "calibration.json")
+    start = Calibration.load(CALIBRATION)
     fresh: dict = {
         name: MessageCost(fixed_s=i + 1.0, bytes_per_s=1e6) for i, name in enumerate("abcde")
     }
@@ -233,7 +236,7 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     from scaleout.sim.calibration import Calibration, LockstepCost
     from scaleout.sim.measuring import model_key
 
-    path = _configs_dir().parent / "results" / "calibration.json"
+    path = CALIBRATION
     cal = Calibration.load(path)
     by_name = {case.name: case for case in CASES}
     case = by_name["downpour 2 replicas, 4 shards"]
@@ -282,13 +285,12 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
 def test_a_case_that_cannot_run_is_left_out_and_the_others_count(monkeypatch, tmp_path):
     """An hour's suite does not end at one case's failure (a testnet run that Ray would not
     place as simulated, say): the case is named in the notes and the others are scored."""
-    from pathlib import Path
 
     from benchmarks import simulate as suite
     from scaleout.sim import calibrate as cal_module
     from scaleout.sim.calibration import Calibration
 
-    start = Calibration.load(Path(__file__).resolve().parents[2] / "results" / "calibration.json")
+    start = Calibration.load(CALIBRATION)
     saved = start.save(tmp_path / "calibration.json")
     failing = "downpour 2x2, 8-bit pushes"
 
