@@ -10,6 +10,10 @@ PYTEST_ARGS ?=
 # the docs plugins' notices about MkDocs' own future, printed on every build
 export NO_MKDOCS_2_WARNING := 1
 export DISABLE_MKDOCS_2_WARNING := true
+# data sets the repository does not ship (Fashion-MNIST): the workplace's shared copy
+ifneq ($(wildcard ../shared/data),)
+export SCALEOUT_DATA ?= $(abspath ../shared/data)
+endif
 
 .PHONY: demo test test-slow test-all lint docs docs-serve bench clean
 

@@ -9,7 +9,7 @@ yielding (image, label). `scaleout.fit` calls the two factories in every worker 
 run as a script, they live in `__main__` and travel to Ray's workers by value; from TOML they
 are named "examples.fashion_cnn:build_model" (run from the repository root).
 
-The data is read from `$SCALEOUT_DATA/fashion-mnist` or `../shared/data/fashion-mnist` (the
+The data is read from `<root>/fashion-mnist` for a root in `$SCALEOUT_DATA` or `./data` (the
 four IDX files); nothing is downloaded.
 """
 

@@ -1,10 +1,16 @@
 """Shared fixtures: one embedded Ray instance for the tests that need it, and processes a
-test stops (SIGSTOP) that must not outlive it."""
+test stops (SIGSTOP) that must not outlive it. Data sets the repository does not ship
+(Fashion-MNIST) are read from the workplace's shared copy when `$SCALEOUT_DATA` is unset."""
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+if SHARED_DATA.is_dir():
+    os.environ.setdefault("SCALEOUT_DATA", str(SHARED_DATA))
 
 
 @pytest.fixture(scope="session")

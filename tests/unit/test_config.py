@@ -98,9 +98,6 @@ def test_bad_config_is_one_clear_line(tmp_path, capsys, text, overrides, expecte
 
 
 def test_missing_default_data_names_the_fix(tmp_path, capsys, monkeypatch):
-    from scaleout.data import datasets
-
-    monkeypatch.setattr(datasets, "_repo_root", lambda: tmp_path)
     monkeypatch.delenv("SCALEOUT_DATA", raising=False)
     monkeypatch.chdir(tmp_path)
     path = write(tmp_path, GOOD.replace('"mnist"', '"fashion_mnist"'))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import struct
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from scaleout.data import (
     whiten_image,
     write_idx,
 )
-from scaleout.data import datasets as datasets_mod
 from scaleout.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,6 +176,7 @@ def test_mnist_test_normalized():
 
 def test_mnist_train_normalized_default_lookup(monkeypatch, mnist_raw_train):
     monkeypatch.delenv("SCALEOUT_DATA", raising=False)
+    monkeypatch.chdir(REPO)  # ./data/mnist: the project's own copy
     assert find_data_dir("mnist").resolve() == REPO_MNIST.resolve()
     d = load_image_idx("mnist", "train")
     x = d.x.double()
@@ -247,13 +248,26 @@ def test_find_data_dir_uses_env(tmp_path, monkeypatch):
 
 
 def test_find_data_dir_nothing_found(tmp_path, monkeypatch):
-    monkeypatch.delenv("SCALEOUT_DATA", raising=False)
-    monkeypatch.setattr(datasets_mod, "_repo_root", lambda: tmp_path / "repo")
+    monkeypatch.setenv("SCALEOUT_DATA", str(tmp_path / "nothing"))
     (tmp_path / "a" / "b").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "a" / "b")
     with pytest.raises(DataError, match="SCALEOUT_DATA") as info:
         find_data_dir("mnist")
-    assert "data.path" in str(info.value) and str(tmp_path / "repo") in str(info.value)
+    looked = str(info.value)
+    assert "data.path" in looked
+    assert str(tmp_path / "nothing" / "mnist") in looked
+    assert str(tmp_path / "a" / "b" / "data" / "mnist") in looked
+
+
+def test_find_data_dir_takes_every_root_of_the_env_in_order(tmp_path, monkeypatch):
+    _write_tiny_idx_set(tmp_path / "second" / "fashion-mnist")
+    _write_tiny_idx_set(tmp_path / "third" / "fashion-mnist")
+    roots = [tmp_path / "first", tmp_path / "second", tmp_path / "third"]
+    monkeypatch.setenv("SCALEOUT_DATA", os.pathsep.join(map(str, roots)))
+    monkeypatch.chdir(tmp_path)
+    assert find_data_dir("fashion_mnist") == tmp_path / "second" / "fashion-mnist"
+    _write_tiny_idx_set(tmp_path / "data" / "mnist")  # ./data comes after the env's roots
+    assert find_data_dir("mnist") == tmp_path / "data" / "mnist"
 
 
 def test_image_label_count_mismatch(tmp_path):

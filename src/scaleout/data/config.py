@@ -52,7 +52,9 @@ class ImageIdxData(_Subsets):
     """MNIST (shipped with the project) or Fashion-MNIST, read from IDX files."""
 
     dataset: Literal["mnist", "fashion_mnist"]  # which of the two; both are 28x28 grey, 10 classes
-    path: Path | None = None  # default: $SCALEOUT_DATA, the project's copy, ../shared/data
+    # the directory of the four IDX files (or one holding the data set's directory); None:
+    # `<root>/<mnist|fashion-mnist>` for each root of $SCALEOUT_DATA (os.pathsep), then ./data
+    path: Path | None = None
     # standardise pixels with the data set's fixed training mean and std; false: pixels in [0, 1]
     normalize: bool = True
 

@@ -105,17 +105,19 @@ def _missing_files(directory: Path) -> list[str]:
     return [stem + ".gz" for stem in stems if _idx_file(directory, stem) is None]
 
 
-def _repo_root() -> Path:
-    # src/scaleout/data/datasets.py -> the repository (the package is installed editable).
-    return Path(__file__).resolve().parents[3]
+def data_roots() -> list[Path]:
+    """Where data sets are looked for when `data.path` is not set: each directory of
+    `$SCALEOUT_DATA` (several separated by the OS's path separator), then `./data`."""
+    env = os.environ.get("SCALEOUT_DATA", "")
+    roots = [Path(p).expanduser() for p in env.split(os.pathsep) if p.strip()]
+    return [*roots, Path.cwd() / "data"]
 
 
 def find_data_dir(name: str, path: str | Path | None = None) -> Path:
     """The directory holding the four IDX files of data set `name`.
 
-    Looks, in order, at `path` (the config's `data.path`), `$SCALEOUT_DATA/<dir>`, the
-    repository's own copy (MNIST only), `<repo>/../shared/data/<dir>` and
-    `./../shared/data/<dir>`; the first directory holding all four files wins.
+    Looks, in order, at `path` (the config's `data.path`), then `<root>/<dir>` for each of
+    `data_roots()`; the first directory holding all four files wins.
     """
     if name not in DATASET_DIRS:
         raise ValueError(f"data.dataset must be one of {sorted(DATASET_DIRS)}, got {name!r}")
@@ -137,22 +139,14 @@ def find_data_dir(name: str, path: str | Path | None = None) -> Path:
                 f"({', '.join(s + '.gz' for p in IDX_FILES.values() for s in p)}) there."
             )
         return given
-    candidates: list[Path] = []
-    env = os.environ.get("SCALEOUT_DATA")
-    if env:
-        candidates.append(Path(env).expanduser() / dirname)
-    repo = _repo_root()
-    if name == "mnist":
-        candidates.append(repo / "data" / "mnist")
-    candidates.append(repo.parent / "shared" / "data" / dirname)
-    candidates.append(Path.cwd() / ".." / "shared" / "data" / dirname)
+    candidates = [root / dirname for root in data_roots()]
     for candidate in candidates:
         if candidate.is_dir() and not _missing_files(candidate):
             return candidate
     looked = ", ".join(str(c) for c in candidates)
     raise DataError(
         f"cannot find the {name} data set (looked in {looked}); set data.path or "
-        f"$SCALEOUT_DATA to a directory holding its four IDX files."
+        f"$SCALEOUT_DATA to a directory holding {dirname}/ with its four IDX files."
     )
 
 
