@@ -4,7 +4,7 @@ On one machine a pull's slice and a push's gradient move through the node's shar
 object store. Across nodes Ray moves each object from one node's store to the other's (the
 raylets' object managers, the kernel's network stack on both ends): more wall time than the
 bytes' transfer over the link, and more core-seconds. Measured between two
-`../shared/tools/testnet` hosts of one machine (`benchmarks.testnet.measure_crossing`):
+testnet hosts (network namespaces) of one machine (`benchmarks.testnet.measure_crossing`):
 the same calls through a real one-shard `ParameterServer` with the shard on the caller's
 host and on the other host, the caller on host 0; the difference, less the link's
 transfer of the payload (the simulator adds the link itself, shared with the other

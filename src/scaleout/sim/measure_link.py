@@ -4,7 +4,7 @@
 `python -m scaleout.sim.measure_link probe HOST PORT` sends it messages and prints a JSON
 line: the one-way latency (half the median round trip of a 1-byte message) and the
 bandwidth (the slope of round-trip time against message size, `SIZES` bytes). Run the two
-in two `../shared/tools/testnet` hosts (`benchmarks.testnet.measure_link`) and the
+in two testnet hosts (network namespaces) (`benchmarks.testnet.measure_link`) and the
 numbers are the emulated link's, as `scaleout calibrate --testnet RATE` records them
 (`Calibration.link`).
 
