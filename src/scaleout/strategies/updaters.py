@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -55,14 +56,13 @@ class Updater(Protocol):
     def evaluated(self) -> AbstractContextManager[None]: ...
 
 
+@dataclass(slots=True)
 class StepReport:
     """What an update reports of its step: the gradient norm before clipping (None: not
     measured) and the seconds spent averaging."""
 
-    __slots__ = ("average_s", "grad_norm")
-
-    def __init__(self, grad_norm: Tensor | None = None, average_s: float = 0.0) -> None:
-        self.grad_norm, self.average_s = grad_norm, average_s
+    grad_norm: Tensor | None = None
+    average_s: float = 0.0
 
 
 class LocalUpdate:
