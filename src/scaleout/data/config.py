@@ -258,6 +258,7 @@ DATA_SECTIONS: tuple[type[DataSource], ...] = (
 
 
 MAX_LOADER_WORKERS = 64
+MAX_PREFETCH = 128
 
 
 class LoaderSection(Section):
@@ -266,7 +267,9 @@ class LoaderSection(Section):
     # would exhaust memory before it failed.
     workers: Annotated[int, Field(ge=0, le=MAX_LOADER_WORKERS)] = 0
     pin_memory: bool | Literal["auto"] = "auto"  # auto: pin when training on CUDA
-    prefetch_factor: PositiveInt = 2  # batches each loader process prepares ahead
+    # batches each loader process prepares ahead; at most MAX_PREFETCH: every one is a
+    # batch in flight, and torch queues them all at the first batch (a huge count hangs)
+    prefetch_factor: Annotated[int, Field(ge=1, le=MAX_PREFETCH)] = 2
     device_prefetch: bool = True  # copy batch k+1 to the device (non-blocking) while k trains
     # Image data: ship 8-bit pixels and scale / subtract the mean image on the device
     # (`scaleout.data.uint8`); auto: on CUDA, for data sets stored as 8-bit images.
