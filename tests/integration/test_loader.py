@@ -1,31 +1,17 @@
 """Parallel loading and image data: sharded batches, ImageFolder / .npy data sets against
 numpy and Pillow, the same batches with and without loader processes, device prefetching."""
 
-import numpy as np
 import pytest
 import torch
 
 from scaleout.data import make_loader
 from scaleout.data.images import ImageFolderDataset
-from tests.unit.test_loader import write_pngs
+from tests.unit.test_loader import write_pixel_sets
 
 
 @pytest.fixture
 def pixel_sets(tmp_path):
-    """The same uint8 images as PNG files and as .npy arrays (sorted by class, as an
-    ImageFolder lists them)."""
-    rng = np.random.default_rng(0)
-    sets = {}
-    for split, count in (("train", 24), ("test", 8)):
-        labels = np.sort(rng.integers(0, 3, count))
-        labels[:3] = [0, 1, 2]
-        labels = np.sort(labels)
-        pixels = rng.integers(0, 256, (count, 20, 20, 3), dtype=np.uint8)  # (N, H, W, C)
-        write_pngs(tmp_path / "folder", pixels, labels, split)
-        np.save(tmp_path / f"x_{split}.npy", pixels)
-        np.save(tmp_path / f"y_{split}.npy", labels)
-        sets[split] = (pixels, labels)
-    return tmp_path, sets
+    return write_pixel_sets(tmp_path)
 
 
 def test_augmentation_depends_on_epoch_not_on_loader_processes(pixel_sets):

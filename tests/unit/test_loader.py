@@ -35,10 +35,9 @@ def write_pngs(root: Path, pixels: np.ndarray, labels: np.ndarray, split: str) -
         Image.fromarray(image).save(directory / f"{i:04d}.png")  # lossless
 
 
-@pytest.fixture
-def pixel_sets(tmp_path):
-    """The same uint8 images as PNG files and as .npy arrays (sorted by class, as an
-    ImageFolder lists them)."""
+def write_pixel_sets(tmp_path: Path) -> tuple[Path, dict]:
+    """Under `tmp_path`, the same uint8 images as PNG files and as .npy arrays (sorted by
+    class, as an ImageFolder lists them)."""
     rng = np.random.default_rng(0)
     sets = {}
     for split, count in (("train", 24), ("test", 8)):
@@ -51,6 +50,11 @@ def pixel_sets(tmp_path):
         np.save(tmp_path / f"y_{split}.npy", labels)
         sets[split] = (pixels, labels)
     return tmp_path, sets
+
+
+@pytest.fixture
+def pixel_sets(tmp_path):
+    return write_pixel_sets(tmp_path)
 
 
 def test_image_folder_and_npy_give_the_same_preprocessed_images(pixel_sets):
