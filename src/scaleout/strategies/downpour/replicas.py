@@ -19,6 +19,7 @@ from scaleout.progress import console
 from scaleout.runtime import describe_failure
 from scaleout.strategies.downpour.phase_shards import PhaseShards
 from scaleout.strategies.group import ActorWorkers, Method, T, Where, spawn_worker
+from scaleout.strategies.group import doing as describe
 from scaleout.strategies.layout import ModelParallelSection
 from scaleout.strategies.role import Role
 from scaleout.train.job import Job
@@ -111,7 +112,7 @@ class Replica:
         return ray.get(futures)
 
     def call(self, method: Method[T], *args: Any, doing: str = "") -> list[T]:  # noqa: ANN401
-        return self.get(self.submit(method, *args), doing or method.__name__)
+        return self.get(self.submit(method, *args), doing or describe(method))
 
     def node(self) -> str:
         actor = self.actor if self.group is None else self.group.actors[0]
