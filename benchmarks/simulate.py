@@ -269,6 +269,9 @@ class _Outcome:
     costs: list[str] = field(default_factory=list)  # `_costs` at the start, before, after
     # simulated as `around`, with one correction term removed (`simulate_ablation.TERMS`)
     ablated: dict[str, float] = field(default_factory=dict)
+    priced_by: list[Path] = field(default_factory=list)  # the calibrations before / after
+    # simulated as `around`, with every term the ablation would delete removed together
+    pruned: float | None = None
 
     @property
     def simulated(self) -> float:
@@ -322,6 +325,37 @@ def _ablation(outcomes: list[_Outcome]) -> tuple[list[Row], list[str]]:
             f"{full:.1f}% with every term), worst {worst:.1f}%: {decision}"
         )
     return rows, notes
+
+
+def _deleted(outcomes: list[_Outcome]) -> list[str]:
+    """The terms the ablation finds not worth their code."""
+    full = statistics.mean(abs(o.error()) for o in outcomes)
+    return [
+        term
+        for term in TERMS
+        if all(term in o.ablated for o in outcomes)
+        and verdict(full, statistics.mean(abs(o.error(o.ablated[term])) for o in outcomes))
+        == "delete"
+    ]
+
+
+def _pruned_rows(outcomes: list[_Outcome], deleted: list[str]) -> list[Row]:
+    """The suite's mean and worst error with every deleted term removed at once: the
+    simulator as it is after the deletion, on the same runs."""
+    if not deleted or any(o.pruned is None for o in outcomes):
+        return []
+    errors = [abs(o.error(o.pruned)) for o in outcomes]
+    what = ", ".join(deleted)
+    return [
+        Row(
+            f"mean absolute error without {what}",
+            statistics.mean(errors),
+            "%",
+            "lower",
+            target=MEAN_TARGET,
+        ),
+        Row(f"worst absolute error without {what}", max(errors), "%", "lower", target=WORST_TARGET),
+    ]
 
 
 def _summary(outcomes: list[_Outcome]) -> list[Row]:
@@ -401,11 +435,20 @@ def run() -> SuiteResult:
                 )
                 for term in TERMS
             }
-            outcome = _Outcome(case, measured, around, at_start, costs, ablated)
+            outcome = _Outcome(case, measured, around, at_start, costs, ablated, [before, after])
             print(outcome.note(), flush=True)  # in the log as it comes: the suite takes an hour
             outcomes.append(outcome)
-    ablation_rows, ablation_notes = _ablation(outcomes) if outcomes else ([], [])
+        ablation_rows, ablation_notes = _ablation(outcomes) if outcomes else ([], [])
+        deleted = _deleted(outcomes) if outcomes else []
+        for outcome in outcomes if deleted else []:
+            outcome.pruned = statistics.mean(
+                _simulated(outcome.case, root, without(deleted, path, root), networks)[
+                    "examples_per_s"
+                ]
+                for path in outcome.priced_by
+            )
     rows = [outcome.row() for outcome in outcomes] + _summary(outcomes) + ablation_rows
+    rows += _pruned_rows(outcomes, deleted)
     notes.extend(outcome.note() for outcome in outcomes)
     notes.extend(ablation_notes)
     return SuiteResult(rows, notes=notes, contended="contended" in calibration.notes)

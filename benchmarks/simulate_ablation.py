@@ -10,7 +10,7 @@ they are.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from scaleout.sim.calibration import Calibration
@@ -64,10 +64,14 @@ TERMS: dict[str, Callable[[Calibration], Calibration]] = {
 }
 
 
-def without(term: str, path: Path, out_dir: Path) -> Path:
-    """The calibration at `path` without `term`, saved beside the others in `out_dir`."""
-    removed = TERMS[term](Calibration.load(path))
-    out = out_dir / f"{path.stem}.without_{term.replace(' ', '_')}.json"
+def without(terms: str | Sequence[str], path: Path, out_dir: Path) -> Path:
+    """The calibration at `path` without `terms` (one, or several together), saved beside
+    the others in `out_dir`."""
+    names = [terms] if isinstance(terms, str) else list(terms)
+    removed = Calibration.load(path)
+    for name in names:
+        removed = TERMS[name](removed)
+    out = out_dir / f"{path.stem}.without_{'+'.join(n.replace(' ', '_') for n in names)}.json"
     return removed.save(out)
 
 

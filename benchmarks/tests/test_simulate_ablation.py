@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.simulate import Case, _ablation, _Outcome
+from benchmarks.simulate import Case, _ablation, _deleted, _Outcome, _pruned_rows
 from benchmarks.simulate_ablation import KEEP_PP, TERMS, verdict, without
 from scaleout.sim.calibration import Calibration, LockstepCost, MessageCost, ModelCost
 
@@ -79,3 +79,26 @@ def test_ablation_rows_are_the_mean_error_without_each_term():
     assert [r.value for r in rows] == pytest.approx([10.0] + [4.25] * (len(terms) - 1))
     assert rows[0].name.endswith("(keep)") and all(r.name.endswith("(delete)") for r in rows[1:])
     assert "+6.0 pp" in notes[0]
+
+
+def test_several_terms_are_removed_together(tmp_path: Path):
+    path = _calibration().save(tmp_path / "full.json")
+    both = Calibration.load(without(["slowdown", "idle cores"], path, tmp_path))
+    assert both.models["m"].slowdown(2) == 1.0 and both.idle_cores == 0.0
+    assert both.models["m"].beside_calls == 1.1  # a term not named stays
+
+
+def test_the_pruned_rows_price_every_deleted_term_at_once():
+    case = Case("c", "mnist_downpour.toml")
+    terms = list(TERMS)
+    outcomes = [
+        _Outcome(case, [100.0] * 3, [p, p], p, ablated={t: p for t in terms}) for p in (104.0, 96.0)
+    ]
+    outcomes[0].ablated[terms[0]] = 90.0  # only the first term moves the mean
+    deleted = _deleted(outcomes)
+    assert deleted == terms[1:]
+    assert _pruned_rows(outcomes, deleted) == []  # not priced yet: no rows
+    outcomes[0].pruned, outcomes[1].pruned = 103.0, 95.0  # errors 3% and 5%
+    mean, worst = _pruned_rows(outcomes, deleted)
+    assert (mean.value, worst.value) == pytest.approx((4.0, 5.0))
+    assert terms[1] in mean.name
