@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
 if SHARED_DATA.is_dir():
     os.environ.setdefault("SCALEOUT_DATA", str(SHARED_DATA))
 
@@ -33,3 +34,52 @@ def stopped_pids():
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture
+def in_the_repository(monkeypatch):
+    """The repository as the working directory: Ray's workers import `examples` and
+    `tests.*` from it."""
+    monkeypatch.chdir(REPO)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: on small tensors OpenMP's synchronisation dominates,
+    and varies wildly when other work shares the machine's cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def pixel_sets(tmp_path):
+    """The same uint8 images as PNG files and .npy arrays under `tmp_path`, and the arrays."""
+    from tests.pixel_sets import write_pixel_sets
+
+    return write_pixel_sets(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    """An ImageFolder of 3 classes, 24 training and 6 test images of 20 x 20 pixels."""
+    from scaleout.data.images import write_image_folder
+
+    root = tmp_path_factory.mktemp("images")
+    return write_image_folder(root, num_classes=3, num_train=24, num_test=6, size=20)
+
+
+@pytest.fixture
+def previous(tmp_path) -> tuple[Path, dict[str, bytes]]:
+    """A finished tiny run (checkpoints at steps 10 and 20) and its files."""
+    import scaleout
+    from tests.tiny_run import config, files
+
+    result = scaleout.fit(config(tmp_path))
+    assert result.step == 20
+    run = result.run_dir
+    assert {"metrics.jsonl", "checkpoints/step_00000020.safetensors"} <= files(run).keys()
+    return run, files(run)

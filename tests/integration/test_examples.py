@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 
 import scaleout
+from examples import fashion_cnn
 from scaleout.cli import main
 from scaleout.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from examples import fashion_cnn  # noqa: E402
 
 SHORT = ["train.epochs=1", "train.eval_every=469", "train.checkpoint_every=100000"]
 

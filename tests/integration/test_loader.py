@@ -1,17 +1,10 @@
 """Parallel loading and image data: sharded batches, ImageFolder / .npy data sets against
 numpy and Pillow, the same batches with and without loader processes, device prefetching."""
 
-import pytest
 import torch
 
 from scaleout.data import make_loader
 from scaleout.data.images import ImageFolderDataset
-from tests.unit.test_loader import write_pixel_sets
-
-
-@pytest.fixture
-def pixel_sets(tmp_path):
-    return write_pixel_sets(tmp_path)
 
 
 def test_augmentation_depends_on_epoch_not_on_loader_processes(pixel_sets):

@@ -10,24 +10,17 @@ accuracy."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import scaleout
+from scaleout.checkpoint import load_checkpoint
+from scaleout.rundir import RunDir
+from tests.unit.test_pipeline import cnn_config
 
-import scaleout  # noqa: E402
-from scaleout.checkpoint import load_checkpoint  # noqa: E402
-from scaleout.rundir import RunDir  # noqa: E402
-from tests.unit.test_pipeline import cnn_config  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_the_repository(monkeypatch):
-    monkeypatch.chdir(REPO)  # Ray's workers import `examples` from the working directory
+pytestmark = pytest.mark.usefixtures("in_the_repository")
 
 
 def fit(config: dict, *overrides: str, resume: bool = False):

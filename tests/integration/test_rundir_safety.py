@@ -7,9 +7,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-
-import pytest
 
 import scaleout
 from scaleout.checkpoint import load_checkpoint
@@ -17,18 +14,7 @@ from scaleout.cli import main
 from scaleout.metrics import read_metrics
 from scaleout.rundir import ASIDE_DIR
 from tests.run_config import config_file
-from tests.unit.test_rundir_safety import config, files, lock_is_free
-
-
-@pytest.fixture
-def previous(tmp_path) -> tuple[Path, dict[str, bytes]]:
-    """A finished run (checkpoints at steps 10 and 20) and its files."""
-    result = scaleout.fit(config(tmp_path))
-    assert result.step == 20
-    run = result.run_dir
-    assert {"metrics.jsonl", "checkpoints/step_00000020.safetensors"} <= files(run).keys()
-    return run, files(run)
-
+from tests.tiny_run import config, lock_is_free
 
 KILLED_OVERWRITE = """
 import os, sys

@@ -5,24 +5,15 @@ that names no Linear is one line."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import scaleout
+from scaleout.checkpoint import load_checkpoint
+from scaleout.rundir import RunDir
+from tests.unit.test_tensor_parallel import LM_PLAN, MLP_PLAN, config
 
-import scaleout  # noqa: E402
-from scaleout.checkpoint import load_checkpoint  # noqa: E402
-from scaleout.rundir import RunDir  # noqa: E402
-from tests.unit.test_tensor_parallel import LM_PLAN, MLP_PLAN, config  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_the_repository(monkeypatch):
-    monkeypatch.chdir(REPO)  # Ray's workers import `tests.tp_models` from the working directory
+pytestmark = pytest.mark.usefixtures("in_the_repository")
 
 
 def final(result) -> dict[str, torch.Tensor]:

@@ -7,20 +7,14 @@ clipping on one Downpour replica equals strategy single bit for bit."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from scaleout.api import prepare  # noqa: E402
-from scaleout.errors import UserError  # noqa: E402
-from scaleout.metrics import read_metrics  # noqa: E402
-from scaleout.rundir import RunDir  # noqa: E402
-from tests.unit.test_tied_weights import (  # noqa: E402
+from scaleout.api import prepare
+from scaleout.errors import UserError
+from scaleout.metrics import read_metrics
+from scaleout.rundir import RunDir
+from tests.unit.test_tied_weights import (
     assert_same_weights,
     final,
     fit,
@@ -28,10 +22,7 @@ from tests.unit.test_tied_weights import (  # noqa: E402
     lm_config,
 )
 
-
-@pytest.fixture(autouse=True)
-def _in_the_repository(monkeypatch):
-    monkeypatch.chdir(REPO)  # Ray's workers import `examples` from the working directory
+pytestmark = pytest.mark.usefixtures("in_the_repository")
 
 
 # --- Ray strategies ---------------------------------------------------------------------------

@@ -2,30 +2,22 @@
 the float batches the loader makes itself; the CPU stands in for the device here, and the
 CUDA cases run where a GPU is."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from scaleout.api import fit
 from scaleout.data import make_loader
 from scaleout.data.config import LoaderSection
-from scaleout.data.images import ImageFolderDataset, write_image_folder
+from scaleout.data.images import ImageFolderDataset
 from scaleout.data.parts import data_part
 from scaleout.data.prefetch import DevicePrefetcher
 from scaleout.metrics import read_metrics
 from tests.unit.test_uint8_batches import DEVICES
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("images")
-    return write_image_folder(root, num_classes=3, num_train=24, num_test=6, size=20)
-
-
 @pytest.mark.parametrize("device", DEVICES)
-def test_loader_processes_and_the_prefetcher_give_the_float_batches(folder, device):
-    data = ImageFolderDataset(folder, "train", crop=16, seed=4)
+def test_loader_processes_and_the_prefetcher_give_the_float_batches(image_folder, device):
+    data = ImageFolderDataset(image_folder, "train", crop=16, seed=4)
     part = data_part(data, 1, 2)  # a Downpour replica's part: it must pass the epoch on
     shipped, finish = LoaderSection(uint8=True).with_uint8(data, torch.device(device))
     shipped_part = data_part(shipped, 1, 2)
@@ -41,14 +33,14 @@ def test_loader_processes_and_the_prefetcher_give_the_float_batches(folder, devi
     assert not torch.equal(whole[0], whole[1])  # the same examples, cropped anew each epoch
 
 
-def test_training_with_uint8_batches_equals_training_without(folder, tmp_path):
+def test_training_with_uint8_batches_equals_training_without(image_folder, tmp_path):
     """The worker's whole path (data part, loader process, finish): the same losses."""
 
     def losses(uint8: bool) -> list[float]:
         result = fit(
             {
                 "run": {"name": f"u{int(uint8)}", "out_dir": str(tmp_path), "seed": 0},
-                "data": {"dataset": "image_folder", "path": str(folder), "crop": 16},
+                "data": {"dataset": "image_folder", "path": str(image_folder), "crop": 16},
                 "loader": {"workers": 1, "uint8": uint8},
                 "model": {"kind": "mlp", "sizes": [768, 16, 3]},
                 "train": {"steps": 6, "batch_size": 8, "log_every": 1, "eval_every": 6},

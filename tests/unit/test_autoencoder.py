@@ -24,15 +24,7 @@ from scaleout.rundir import RunDir
 from scaleout.train import driver
 from tests.run_config import config_file
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are small: one thread spares OpenMP's synchronisation, which dominates
-    (and varies wildly) when other work shares the machine's two cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

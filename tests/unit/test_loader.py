@@ -1,12 +1,9 @@
 """Parallel loading and image data: sharded batches, ImageFolder / .npy data sets against
 numpy and Pillow, the same batches with and without loader processes, device prefetching."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from scaleout.api import config_from_dict
 from scaleout.data import ArrayDataset, ShuffledBatchSampler, make_loader
@@ -26,35 +23,6 @@ def test_parts_of_each_batch_cover_the_global_batch():
         assert [len(p[b]) for p in parts] == [4, 4, 4] or b == len(whole) - 1
     with pytest.raises(ValueError, match="part"):
         ShuffledBatchSampler(10, 2, seed=0, part=2, num_parts=2)
-
-
-def write_pngs(root: Path, pixels: np.ndarray, labels: np.ndarray, split: str) -> None:
-    for i, (image, label) in enumerate(zip(pixels, labels, strict=True)):
-        directory = root / split / f"c{label}"
-        directory.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(image).save(directory / f"{i:04d}.png")  # lossless
-
-
-def write_pixel_sets(tmp_path: Path) -> tuple[Path, dict]:
-    """Under `tmp_path`, the same uint8 images as PNG files and as .npy arrays (sorted by
-    class, as an ImageFolder lists them)."""
-    rng = np.random.default_rng(0)
-    sets = {}
-    for split, count in (("train", 24), ("test", 8)):
-        labels = np.sort(rng.integers(0, 3, count))
-        labels[:3] = [0, 1, 2]
-        labels = np.sort(labels)
-        pixels = rng.integers(0, 256, (count, 20, 20, 3), dtype=np.uint8)  # (N, H, W, C)
-        write_pngs(tmp_path / "folder", pixels, labels, split)
-        np.save(tmp_path / f"x_{split}.npy", pixels)
-        np.save(tmp_path / f"y_{split}.npy", labels)
-        sets[split] = (pixels, labels)
-    return tmp_path, sets
-
-
-@pytest.fixture
-def pixel_sets(tmp_path):
-    return write_pixel_sets(tmp_path)
 
 
 def test_image_folder_and_npy_give_the_same_preprocessed_images(pixel_sets):

@@ -26,15 +26,7 @@ from scaleout.nn.local import (
     to_hwcn,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are small: one thread spares OpenMP's synchronisation, which dominates
-    (and varies wildly) when other work shares the machine's two cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- references ------------------------------------------------------------------------------

@@ -9,21 +9,14 @@ accuracy."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scaleout.api import prepare
+from scaleout.errors import ConfigError
 
-from scaleout.api import prepare  # noqa: E402
-from scaleout.errors import ConfigError  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_the_repository(monkeypatch):
-    monkeypatch.chdir(REPO)  # Ray's workers import `examples` from the working directory
+pytestmark = pytest.mark.usefixtures("in_the_repository")
 
 
 def cnn_config(tmp_path: Path, name: str, strategy: str, steps: int = 60) -> dict:

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from filelock import FileLock
 
 import scaleout
 import scaleout.checkpoint as checkpoint_module
@@ -25,63 +24,10 @@ from scaleout.metrics import read_metrics
 from scaleout.nn.optim import OptimizerSpec
 from scaleout.ps.shard import ParameterShard
 from scaleout.ps.wire import Wire
-from scaleout.rundir import ASIDE_DIR, LOCK_FILE, RunDir
+from scaleout.rundir import ASIDE_DIR, RunDir
 from scaleout.strategies.single import Single
 from tests.run_config import config_file
-
-
-def config(tmp_path: Path, steps: int = 20, every: int = 10, hidden: int = 16) -> dict:
-    return {
-        "run": {"name": "r", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "data": {
-            "dataset": "synthetic",
-            "input_shape": [8],
-            "num_classes": 3,
-            "num_train": 256,
-            "num_test": 64,
-        },
-        "model": {"kind": "mlp", "sizes": [8, hidden, 3]},
-        "train": {
-            "strategy": "single",
-            "steps": steps,
-            "batch_size": 32,
-            "optimizer": "adam",
-            "lr": 0.01,
-            "eval_every": every,
-            "log_every": every,
-            "checkpoint_every": every,
-        },
-    }
-
-
-def files(run: Path) -> dict[str, bytes]:
-    """Every file of the run directory and its bytes, the lock's own files aside."""
-    return {
-        str(p.relative_to(run)): p.read_bytes()
-        for p in sorted(run.rglob("*"))
-        if p.is_file() and not p.name.startswith(".lock")
-    }
-
-
-@pytest.fixture
-def previous(tmp_path) -> tuple[Path, dict[str, bytes]]:
-    """A finished run (checkpoints at steps 10 and 20) and its files."""
-    result = scaleout.fit(config(tmp_path))
-    assert result.step == 20
-    run = result.run_dir
-    assert {"metrics.jsonl", "checkpoints/step_00000020.safetensors"} <= files(run).keys()
-    return run, files(run)
-
-
-def lock_is_free(run: Path) -> bool:
-    lock = FileLock(run / LOCK_FILE, timeout=0)
-    try:
-        lock.acquire()
-    except TimeoutError:
-        return False
-    lock.release()
-    return True
-
+from tests.tiny_run import config, files, lock_is_free
 
 # --- --overwrite --------------------------------------------------------------------------
 

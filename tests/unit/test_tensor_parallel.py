@@ -5,21 +5,14 @@ that names no Linear is one line."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scaleout.api import prepare
+from scaleout.errors import ConfigError
 
-from scaleout.api import prepare  # noqa: E402
-from scaleout.errors import ConfigError  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_the_repository(monkeypatch):
-    monkeypatch.chdir(REPO)  # Ray's workers import `tests.tp_models` from the working directory
+pytestmark = pytest.mark.usefixtures("in_the_repository")
 
 
 MLP_PLAN = {"layers.fc1": "colwise", "layers.fc2": "rowwise"}

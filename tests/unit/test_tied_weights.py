@@ -9,29 +9,22 @@ from __future__ import annotations
 
 import copy
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import scaleout
+from examples.char_lm import CharGPT
+from scaleout.api import prepare
+from scaleout.checkpoint import load_checkpoint, save_checkpoint
+from scaleout.errors import UserError
+from scaleout.parallel import synced_state
+from scaleout.ps import FlatParameters
+from scaleout.rundir import RunDir
+from scaleout.train.state import load_model_weights, model_tensors
 
-import scaleout  # noqa: E402
-from examples.char_lm import CharGPT  # noqa: E402
-from scaleout.api import prepare  # noqa: E402
-from scaleout.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from scaleout.errors import UserError  # noqa: E402
-from scaleout.parallel import synced_state  # noqa: E402
-from scaleout.ps import FlatParameters  # noqa: E402
-from scaleout.rundir import RunDir  # noqa: E402
-from scaleout.train.state import load_model_weights, model_tensors  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _in_the_repository(monkeypatch):
-    monkeypatch.chdir(REPO)  # Ray's workers import `examples` from the working directory
+pytestmark = pytest.mark.usefixtures("in_the_repository")
 
 
 TINY = {"block": 16, "width": 32, "layers": 1, "heads": 2}

@@ -2,25 +2,17 @@
 the float batches the loader makes itself; the CPU stands in for the device here, and the
 CUDA cases run where a GPU is."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from scaleout.data import ArrayDataset
 from scaleout.data.config import LoaderSection
-from scaleout.data.images import ImageFolderDataset, NpyDataset, write_image_folder
+from scaleout.data.images import ImageFolderDataset, NpyDataset
 from scaleout.data.uint8 import FinishOnDevice
 from scaleout.errors import DataError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("images")
-    return write_image_folder(root, num_classes=3, num_train=24, num_test=6, size=20)
 
 
 def finished(data: ImageFolderDataset, indices: list[int], device: str) -> torch.Tensor:
@@ -42,19 +34,19 @@ def finished(data: ImageFolderDataset, indices: list[int], device: str) -> torch
     ],
     ids=["crop", "no-mean", "flip-only", "odd-crop"],
 )
-def test_finished_uint8_batches_equal_the_float_batches_bit_for_bit(folder, options, device):
-    data = ImageFolderDataset(folder, "train", seed=5, **options)
+def test_finished_uint8_batches_equal_the_float_batches_bit_for_bit(image_folder, options, device):
+    data = ImageFolderDataset(image_folder, "train", seed=5, **options)
     indices = list(range(len(data)))
     for epoch in (0, 3):
         data.set_epoch(epoch)
         expected, _ = data.__getitems__(indices)
         assert torch.equal(finished(data, indices, device), expected)
-    test = ImageFolderDataset(folder, "test", crop=16, mean_image=data.mean)  # centre crops
+    test = ImageFolderDataset(image_folder, "test", crop=16, mean_image=data.mean)  # centre crops
     assert torch.equal(finished(test, [0, 1, 2], device), test.__getitems__([0, 1, 2])[0])
 
 
-def test_the_windows_name_each_examples_crop_and_flip(folder):
-    data = ImageFolderDataset(folder, "train", crop=16, seed=1, mean_image=False)
+def test_the_windows_name_each_examples_crop_and_flip(image_folder):
+    data = ImageFolderDataset(image_folder, "train", crop=16, seed=1, mean_image=False)
     pixels, _, windows = data.as_uint8().__getitems__(list(range(len(data))))
     flips = 0
     for index, (top, left, flip) in enumerate(windows.tolist()):
@@ -66,8 +58,8 @@ def test_the_windows_name_each_examples_crop_and_flip(folder):
     assert torch.equal(one[0], pixels[5]) and one[2].tolist() == windows[5].tolist()
 
 
-def test_resized_images_are_rounded_to_8_bits_first(folder):
-    data = ImageFolderDataset(folder, "train", image_size=28, crop=24, seed=2)
+def test_resized_images_are_rounded_to_8_bits_first(image_folder):
+    data = ImageFolderDataset(image_folder, "train", image_size=28, crop=24, seed=2)
     indices = list(range(8))
     expected, _ = data.__getitems__(indices)
     got = finished(data, indices, "cpu")
@@ -91,8 +83,8 @@ def test_float_images_and_array_data_have_no_uint8_batches(tmp_path):
     assert LoaderSection().with_uint8(arrays, cuda) == (arrays, None)
 
 
-def test_auto_ships_uint8_on_cuda_only(folder):
-    data = ImageFolderDataset(folder, "train", crop=16)
+def test_auto_ships_uint8_on_cuda_only(image_folder):
+    data = ImageFolderDataset(image_folder, "train", crop=16)
     assert LoaderSection().with_uint8(data, torch.device("cpu")) == (data, None)
     shipped, finish = LoaderSection().with_uint8(data, torch.device("cuda"))
     assert shipped.uint8 and not data.uint8 and isinstance(finish, FinishOnDevice)
