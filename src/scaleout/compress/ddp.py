@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from scaleout.compress.codecs import Codec
 from scaleout.compress.feedback import ErrorFeedback
+from scaleout.compress.flat_collectives import all_gather_flat
 from scaleout.compress.link import OnLink, mean_of_payloads
 from scaleout.compress.payload import pack
 from scaleout.compress.registry import get
@@ -103,8 +104,7 @@ def ddp_hook(
         encoded = base.encode(sent, key=index)
         payload = pack(encoded)  # (P,) uint8: codes, scales, flag
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=buffer.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(gathered, payload, group=process_group, async_op=True)
+        work = all_gather_flat(gathered, payload, group=process_group, async_op=True)
         rank = dist.get_rank(process_group)
 
         def average(fut: torch.futures.Future) -> torch.Tensor:

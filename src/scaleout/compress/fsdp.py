@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from scaleout.compress.codecs import Codec
+from scaleout.compress.flat_collectives import all_gather_flat, reduce_scatter_flat
 from scaleout.compress.link import OnLink
 from scaleout.compress.payload import pack, unpack
 from scaleout.compress.registry import get
@@ -75,13 +76,11 @@ class CodedAllGather(_Coded, AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         if not self.coded(input_tensor.numel()):
-            return dist.all_gather_into_tensor(
-                output_tensor, input_tensor, group=group, async_op=async_op
-            )
+            return all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
         world = dist.get_world_size(group)
         payload, encoded = self.payload(input_tensor)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-        dist.all_gather_into_tensor(gathered, payload, group=group)
+        all_gather_flat(gathered, payload, group=group)
         shards = output_tensor.view(world, -1)  # (world, shard)
         for rank, chunk in enumerate(gathered.view(world, -1)):
             shards[rank].copy_(self.decoded(chunk, encoded))
@@ -104,7 +103,7 @@ class CodedReduceScatter(_Coded, ReduceScatter):
         if not (average or op == dist.ReduceOp.SUM):
             raise ValueError(f"a compressed reduce-scatter sums or averages; FSDP asked {op}")
         if not self.coded(output_tensor.numel()):
-            return dist.reduce_scatter_tensor(
+            return reduce_scatter_flat(
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
             )
         world, rank = dist.get_world_size(group), dist.get_rank(group)

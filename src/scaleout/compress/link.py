@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from scaleout.compress.codecs import Codec
 from scaleout.compress.feedback import ErrorFeedback
+from scaleout.compress.flat_collectives import all_gather_flat
 from scaleout.compress.payload import Encoded, pack, payload_size, unpack
 from scaleout.compress.transfer import ENCODE_MARGIN, CodecSpeed, LinkSpeed, median_s, plan
 
@@ -163,7 +164,7 @@ def average_8bit(
     encoded = codec.encode(x)
     payload = pack(encoded)
     gathered = torch.empty(world * payload.numel(), dtype=torch.uint8)
-    dist.all_gather_into_tensor(gathered, payload, group=group)
+    all_gather_flat(gathered, payload, group=group)
     mean, _ = mean_of_payloads(gathered, encoded, codec, world)
     return mean.view(x.shape)
 

@@ -359,18 +359,18 @@ def allreduce_call(rank: int, size: int) -> Callable[[], None]:
 
 def allgather_call(rank: int, size: int) -> Callable[[], None]:
     """FSDP's all-gather: each of two ranks gives half of `size` values, both get all."""
-    import torch.distributed as dist
+    from scaleout.compress.flat_collectives import all_gather_flat
 
     whole, half = torch.empty(size - size % 2), torch.randn(size // 2)
-    return lambda: dist.all_gather_into_tensor(whole, half)
+    return lambda: all_gather_flat(whole, half)
 
 
 def reduce_scatter_call(rank: int, size: int) -> Callable[[], None]:
     """FSDP's reduce-scatter: `size` values summed over two ranks, each keeps half."""
-    import torch.distributed as dist
+    from scaleout.compress.flat_collectives import reduce_scatter_flat
 
     whole, half = torch.randn(size - size % 2), torch.empty(size // 2)
-    return lambda: dist.reduce_scatter_tensor(half, whole)
+    return lambda: reduce_scatter_flat(half, whole)
 
 
 def average_call(rank: int, size: int) -> Callable[[], None]:
