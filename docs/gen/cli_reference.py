@@ -19,7 +19,8 @@ INTRO = """# Command line
 do it in `.venv`). Each subcommand below is a thin shell over the Python API: `scaleout
 train CONFIG` is `scaleout.fit(CONFIG, overrides=...)`. Bad input (a malformed file, an
 unknown key, a value out of range, a bad factory) prints one line per problem and exits
-with status 2; Ctrl-C during training saves a checkpoint and exits with status 130.
+with status 2; Ctrl-C during training saves a checkpoint and exits with status 130, and
+SIGTERM the same within `run.stop_grace_s` seconds with status 143.
 
 Benchmarks are not a subcommand: they live in `benchmarks/` at the repository root and run
 as `python -m benchmarks SUITE` (see [Run the benchmarks](../how-to/benchmarks.md)).

@@ -299,7 +299,8 @@ def fit(
     `resume` continues the run in `run.out_dir / run.name` from its last checkpoint;
     `overwrite` starts it again there (a directory that holds a run needs one of the two).
     Raises a `UserError` (one line per problem) for bad input; Ctrl-C stops at the end of
-    the current chunk with a checkpoint (`result.interrupted`).
+    the current chunk with a checkpoint (`result.interrupted`), and so does SIGTERM
+    (`result.stopped_by`) within `run.stop_grace_s`.
     """
     run = prepare(
         config,

@@ -7,12 +7,14 @@
     scaleout simulate CONFIG [--machines 1,2,...] [--link 1gbit] [--sweep key=v1,v2] ...
 
 A user error (bad config, missing data, corrupted checkpoint) prints one line per problem
-and exits with status 2; Ctrl-C during training saves a checkpoint and exits with 130.
+and exits with status 2; Ctrl-C during training saves a checkpoint and exits with 130, SIGTERM
+the same within `run.stop_grace_s` with 143.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +25,7 @@ from rich.table import Table
 
 from scaleout import __version__
 from scaleout.errors import UserError
+from scaleout.interrupt import Terminated, exit_status
 
 # Tables keep their rows on one line in logs and pipes, where rich would assume 80 columns.
 out = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -46,6 +49,8 @@ def _train(args: argparse.Namespace) -> int:
     result = fit(args.config, overrides=overrides, resume=args.resume, overwrite=args.overwrite)
     assert result.run_dir is not None
     _print_summary(result.summary, result.run_dir)
+    if result.stopped_by is not None:
+        return exit_status(result.stopped_by)
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 
@@ -284,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted")
         return EXIT_INTERRUPTED
+    except Terminated as stop:
+        err.print(str(stop))
+        return exit_status(signal.SIGTERM)
 
 
 def entry() -> None:

@@ -18,6 +18,7 @@ from scaleout.metrics import read_metrics
 from scaleout.rundir import RunDir
 from scaleout.train import driver
 from tests.run_config import config_file
+from tests.stop_when import stop_when
 
 
 def write_config(tmp_path, name, strategy, grid=(1, 2), **sections):
@@ -55,23 +56,6 @@ def write_config(tmp_path, name, strategy, grid=(1, 2), **sections):
         model_parallel={"grid": list(grid)},
         **sections,
     )
-
-
-def stop_when(condition):
-    """A stand-in for Ctrl-C: the driver's stop request turns true once `condition()` does."""
-
-    class StopWhen:
-        @property
-        def requested(self):
-            return condition()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
-    return StopWhen
 
 
 def weights(run_path):

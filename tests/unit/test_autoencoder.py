@@ -23,6 +23,7 @@ from scaleout.reports import selectivity_report
 from scaleout.rundir import RunDir
 from scaleout.train import driver
 from tests.run_config import config_file
+from tests.stop_when import stop_when
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -336,21 +337,14 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tmp_path, trained_run, monk
     """Stop part-way through stack 2 (as Ctrl-C would), resume: the weights end up exactly
     those of the uninterrupted run."""
 
-    class StopAfter:
-        @property
-        def requested(self):
-            return first.strategy.step >= 8  # mid-stack-2
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
     path = write_config(tmp_path, "resumed")
     config = load_config(path)
     first = prepare(path)
-    monkeypatch.setattr(driver, "StopOnInterrupt", StopAfter)
+    monkeypatch.setattr(
+        driver,
+        "StopOnInterrupt",
+        stop_when(lambda: first.strategy.step >= 8),  # mid-stack-2
+    )
     result = first.train()
     assert result.interrupted and result.step == 8
     monkeypatch.undo()

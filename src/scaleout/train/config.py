@@ -44,6 +44,10 @@ class RunSection(Section):
     # "bf16": forward and loss under autocast (CPU and CUDA), fp32 weights and optimizer
     # state; "fp16": the same in float16 with a GradScaler (CUDA only)
     precision: Precision = "fp32"
+    # on SIGTERM (a node taken by Kubernetes, Slurm, a spot reclaim) the run stops at its next
+    # safe point and checkpoints (Downpour: its shards too) within this many seconds, then
+    # exits with 143; past it, or on a second SIGTERM, it exits at once. None: no limit
+    stop_grace_s: PositiveFloat | None = 25.0
 
     @property
     def run_dir(self) -> Path:

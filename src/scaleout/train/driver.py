@@ -16,6 +16,7 @@ started again after `close` says so: `restartable`). A strategy only trains
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +40,10 @@ class TrainResult:
     """What `scaleout.fit` returns: where the run stopped, its summary and its directory."""
 
     step: int
-    interrupted: bool
+    interrupted: bool  # stopped early by a signal, with a checkpoint of the step it reached
     summary: dict[str, Any] = field(default_factory=dict)
     run_dir: Path | None = None
+    stopped_by: signal.Signals | None = None  # SIGINT (Ctrl-C) or SIGTERM, when interrupted
 
     @property
     def steps(self) -> int:
@@ -239,7 +241,7 @@ class Driver:
         stopped: str | None = None
         with (
             MetricsLog(self.run.metrics, tensorboard) as log,
-            StopOnInterrupt() as interrupt,
+            StopOnInterrupt(self.job.run.stop_grace_s) as interrupt,
             TrainingProgress(total, self.step, self.strategy.name) as bar,
         ):
 
@@ -298,9 +300,11 @@ class Driver:
                 emit(evaluate=not interrupt.requested and evaluated_at != self.step)
             if record and saved_at != self.step:
                 self._save(record)
-        if interrupt.requested:
+        stopped_by = interrupt.signal if interrupt.requested else None
+        if stopped_by is not None:
+            how = "interrupted" if stopped_by == signal.SIGINT else f"stopped by {stopped_by.name}"
             console.print(
-                f"interrupted at step {self.step}: checkpoint saved in "
+                f"{how} at step {self.step}: checkpoint saved in "
                 f"{self.run.checkpoints.directory}; continue with --resume"
             )
         elif stopped is not None:
@@ -319,4 +323,6 @@ class Driver:
             summary["steps_redone"] = sum(r["step"] - r["from_step"] for r in self.restarts)
         if stopped is not None:
             summary["stopped"] = stopped
-        return TrainResult(self.step, interrupt.requested, summary, self.run.path)
+        if stopped_by is not None:
+            summary["stopped_by"] = stopped_by.name
+        return TrainResult(self.step, interrupt.requested, summary, self.run.path, stopped_by)
