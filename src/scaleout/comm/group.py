@@ -336,7 +336,11 @@ class ProcessGroup:
                         placement=(placement, rank),
                     )
                 )
-            address, port = ray.get(actors[0].group_address.remote())
+            try:
+                address, port = ray.get(actors[0].group_address.remote())
+            except RayActorError as error:  # killed while starting: as any lost worker
+                cause = f"worker 0 died while starting: {describe_failure(error)[:200]}"
+                raise WorkerDied(cause, cause=cause) from None
             joins = [
                 actor.join_group.remote(
                     rank, num_workers, address, port, backend, device, timeout_s
@@ -347,8 +351,9 @@ class ProcessGroup:
                 pids = ray.get(joins)
             except (RayTaskError, RayActorError) as error:
                 # A worker that cannot reach its peers (a timeout too short for this
-                # machine's start-up, a port taken, a firewall) is the run's to report, as
-                # any other lost worker: the driver may start the group again.
+                # machine's start-up, a port taken, a firewall), or one killed while it
+                # starts, is the run's to report, as any other lost worker: the driver may
+                # start the group again.
                 cause = f"{num_workers} workers could not join one process group at "
                 cause += f"{address}:{port} within {timeout_s:g} s: {describe_failure(error)[:200]}"
                 raise WorkerDied(cause, cause=cause) from None

@@ -37,7 +37,9 @@ from scaleout.ps.same_node import RETRY_SECONDS, SameNodeShards
 from scaleout.ps.shard import ParameterShard, ShardLost
 from scaleout.ps.staleness import StalenessPolicy
 from scaleout.ps.wire import Wire
-from scaleout.runtime import kill, reraise_user_error, spawn
+from scaleout.runtime import describe_failure, kill, reraise_user_error, restart_backoff_s, spawn
+
+START_ATTEMPTS = 4  # a shard's start: the first and 3 more after it died while starting
 
 
 @dataclass
@@ -88,6 +90,7 @@ class ParameterServer(SameNodeShards):
         self._initial: torch.Tensor | None = None  # until every shard holds its slice
         self._start_step = 0
         self._pending: list[Any] = []
+        self._start_again: Callable[[int], Any] | None = None  # the driver's copy, starting
         self.shared_memory = shared_memory and shared.available()
         self._init_nearby()
 
@@ -135,8 +138,10 @@ class ParameterServer(SameNodeShards):
         # nodes in 4 runs of 4 one day (a soft node affinity is no help: Ray places an actor
         # that asks for no resources on any node).
         nodes = shard_nodes(here, resource) if backups else []
-        shards = [
-            spawn(
+
+        def start_shard(i: int) -> Any:  # noqa: ANN401 - an actor handle
+            start, stop = ranges[i]
+            return spawn(
                 ParameterShard,
                 i,
                 stop - start,
@@ -152,10 +157,13 @@ class ParameterServer(SameNodeShards):
                 resource=resource,
                 node=nodes[i % len(nodes)] if len(nodes) > 1 else None,
             )
-            for i, (start, stop) in enumerate(ranges)
-        ]
+
+        shards = [start_shard(i) for i in range(len(ranges))]
         flat = initial.detach().to("cpu", torch.float32)
         server = cls(shards, ranges, compress, shared_memory=shared_memory)
+        # with backups Ray never restarts a primary: one lost before its backup exists
+        # is started again here (from its checkpoint, or the initial values)
+        server._start_again = start_shard if backups else None
         server.keeper = keeper
         server._initial = flat
         server._start_step = start_step
@@ -173,18 +181,33 @@ class ParameterServer(SameNodeShards):
         once."""
         if not self._pending:
             return
-        flat, ranges = self._initial, self.ranges
-        try:
-            answers = ray.get(self._pending)
-        except RayActorError:  # a shard died while starting: Ray restarts it, ask again
-            answers = self._each(
-                lambda i: self.shards[i].initialize.remote(
-                    flat[ranges[i][0] : ranges[i][1]].numpy(),  # type: ignore[index]
-                    self._start_step,
-                )
-            )
+        answers = [self._initialized(i, pending) for i, pending in enumerate(self._pending)]
         self.backups = [backup for _, backup in answers]
         self._pending, self._initial = [], None
+        self._start_again = None
+
+    def _initialized(self, slot: int, pending: Any) -> tuple[int, Any]:  # noqa: ANN401
+        """Shard `slot`'s answer to `initialize`. A shard that died while starting (before
+        it held its slice, or its backup existed) is restarted after a backoff, by Ray or,
+        with backups, here; up to `START_ATTEMPTS` times."""
+        assert self._initial is not None
+        start, stop = self.ranges[slot]
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return ray.get(pending)
+            except RayActorError as error:
+                if attempt == START_ATTEMPTS:
+                    raise ShardLost(
+                        f"parameter-server shard {slot} died {attempt} times while starting: "
+                        f"{describe_failure(error)[:200]}"
+                    ) from None
+                time.sleep(restart_backoff_s(attempt))
+                if self._start_again is not None:
+                    kill(self.shards[slot])
+                    self.shards[slot] = self._start_again(slot)
+                values = self._initial[start:stop].numpy()
+                pending = self.shards[slot].initialize.remote(values, self._start_step)
+        raise AssertionError("unreachable")
 
     def __reduce__(self) -> tuple[type[ParameterServer], tuple[Any, ...]]:
         return ParameterServer, (

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from scaleout.errors import UserError
-from scaleout.runtime.actors import START_TIMEOUT_S, cpu_share, kill, spawn
+from scaleout.runtime.actors import START_TIMEOUT_S, cpu_share, kill, restart_backoff_s, spawn
 from scaleout.runtime.device import resolve_device
 from scaleout.runtime.security import is_auth_failure, loopback_node, token_auth, token_rejected
 
@@ -48,6 +48,7 @@ __all__ = [
     "cpu_share",
     "describe_failure",
     "reraise_user_error",
+    "restart_backoff_s",
     "kill",
     "resolve_device",
     "session",

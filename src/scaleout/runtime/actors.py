@@ -12,6 +12,14 @@ from typing import Any
 # A new actor imports torch and builds its model and data before it answers: on a busy
 # machine that takes tens of seconds, which a watchdog for progress must not count.
 START_TIMEOUT_S = 120.0
+# An actor that failed is started again after 0.5, 1, 2, 4, 8, 8, ... s: a node that is
+# going away, or a port still held, gets time; a run with one restart loses half a second.
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0
+
+
+def restart_backoff_s(attempt: int) -> float:
+    """The wait before restart number `attempt` (1, 2, ...) of one actor."""
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(attempt - 1, 0))
 
 
 def cpu_share(count: int, limit: float = 1.0) -> float:

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from scaleout.comm import WorkerDied
 from scaleout.errors import UserError
 from scaleout.progress import console
-from scaleout.runtime import START_TIMEOUT_S, describe_failure
+from scaleout.runtime import START_TIMEOUT_S, describe_failure, restart_backoff_s
 from scaleout.strategies.worker import Worker
 
 if TYPE_CHECKING:
@@ -66,21 +67,37 @@ class ReplicaFailures:
                 replica_id, steps, TimeoutError(f"no progress for {limit:g} s (downpour.timeout_s)")
             )
 
-    def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
-        """Replica `replica_id` failed with a chunk of `steps` steps in flight (0: none):
-        they are lost and handed out again; log it, and restart or retire the replica."""
-        self.assigned -= steps
-        kind = (
-            "died"
-            if isinstance(error, RayActorError)
-            else "stuck"
-            if isinstance(error, TimeoutError)
-            else "raised"
-        )
-        message = describe_failure(error)  # a user error in a replica stops the run
-        self.steps_lost += steps
+    def _wait_started(self, replica_id: int) -> None:
+        """Wait until replica `replica_id` has built its model and data. One that fails while
+        starting (its process killed, its node lost, a constructor that raised) is started
+        again after a backoff, as a replica that fails mid-run, up to `downpour.max_restarts`;
+        the same exception twice in a row is deterministic and stops the run with it."""
+        previous: str | None = None  # the exception the last attempt raised, if it raised
+        while True:
+            replica = self.replicas[replica_id]
+            try:
+                replica.wait_started()
+                return
+            except (RayActorError, RayTaskError) as error:
+                message = describe_failure(error)  # a user's error stops the run here
+                raised = isinstance(error, RayTaskError)  # not a lost process
+                if not self._may_restart(replica_id) or (raised and message == previous):
+                    raise WorkerDied(
+                        f"replica {replica_id} failed while starting: {message[:300]}"
+                    ) from None
+                previous = message if raised else None
+                self._log_failure(replica_id, "died while starting", True, message)
+                replica.kill()
+                self.restarts[replica_id] += 1
+                time.sleep(restart_backoff_s(self.restarts[replica_id]))
+                self.replicas[replica_id] = self._spawn(replica_id)
+
+    def _may_restart(self, replica_id: int) -> bool:
         replica = self.replicas[replica_id]
-        restart = replica.restartable and self.restarts[replica_id] < self.opts.max_restarts
+        return replica.restartable and self.restarts[replica_id] < self.opts.max_restarts
+
+    def _log_failure(self, replica_id: int, kind: str, restart: bool, message: str) -> None:
+        """One failure in the summary's list and on the console."""
         self.failures.append(
             {
                 "time_s": round(time.time() - self._wall_start, 3),
@@ -95,6 +112,23 @@ class ReplicaFailures:
             f"replica {replica_id} {kind} at step {self.step}: {message[:200]}"
             + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
         )
+
+    def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
+        """Replica `replica_id` failed with a chunk of `steps` steps in flight (0: none):
+        they are lost and handed out again; log it, and restart or retire the replica."""
+        self.assigned -= steps
+        kind = (
+            "died"
+            if isinstance(error, RayActorError)
+            else "stuck"
+            if isinstance(error, TimeoutError)
+            else "raised"
+        )
+        message = describe_failure(error)  # a user error in a replica stops the run
+        self.steps_lost += steps
+        replica = self.replicas[replica_id]
+        restart = self._may_restart(replica_id)
+        self._log_failure(replica_id, kind, restart, message)
         replica.kill()
         self.shards.drop_windows(replica_id)  # with max_staleness, no one waits for it
         if restart:  # it starts while the others train; it joins when attached

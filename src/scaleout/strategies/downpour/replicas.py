@@ -80,12 +80,15 @@ class Replica:
         return self.group is None
 
     def wait_started(self) -> None:
-        """Wait until the replica has built its model and data; a replica that cannot start
-        stops the run with its own message (a user's error as itself)."""
+        """Wait until the replica has built its model and data. A one-worker replica that
+        fails raises Ray's error (the strategy may start it again); a grid replica
+        `WorkerDied` with its own message (a user's error as itself)."""
         if self.started is not None:
             try:
                 ray.get(self.started)
             except (RayActorError, RayTaskError) as error:
+                if self.restartable:
+                    raise
                 raise WorkerDied(
                     f"replica {self.id} failed while starting: {describe_failure(error)[:300]}"
                 ) from None

@@ -199,8 +199,8 @@ class Downpour(ReplicaFailures):
         )
         self.replica_cpus = cpu_share(self.opts.num_replicas * workers)
         self.replicas = [self._spawn(r) for r in range(self.opts.num_replicas)]
-        for replica in self.replicas:
-            replica.wait_started()  # built, with its data
+        for replica_id in range(self.opts.num_replicas):
+            self._wait_started(replica_id)  # built, with its data
         if resume is not None:  # every replica's frozen layers, and shards without a
             self.weights = resume.tensors  # checkpoint of their own, start from it
             self._load_weights(self.replicas, str(resume.path))

@@ -1,0 +1,94 @@
+"""Faults while a run starts, each survived like a fault mid-run: a Downpour replica
+killed while it builds its model and data is started again; a shard primary lost before its
+backup exists is started again from the initial values; a sync worker or a pipeline stage
+killed while it starts has its group started again; a failure that repeats itself (the same
+exception twice) is one line."""
+
+import pytest
+import ray
+
+from scaleout.api import prepare
+from scaleout.checkpoint import load_checkpoint
+from scaleout.errors import UserError
+from scaleout.ps import server as server_module
+from tests.run_config import config_file
+
+pytestmark = pytest.mark.usefixtures("in_the_repository")
+SIZES = [784, 128, 10]
+
+
+def config(tmp_path, name: str, strategy: str = "downpour", **model_kwargs) -> object:
+    return config_file(
+        tmp_path,
+        name,
+        run={"seed": 0, "num_threads": 1},
+        data={"dataset": "mnist", "num_train": 8192, "num_test": 2000},
+        model={"factory": "tests.start_faults:mlp", "kwargs": {"sizes": SIZES, **model_kwargs}},
+        train={
+            "strategy": strategy,
+            "steps": 400,
+            "batch_size": 64,
+            "optimizer": "adagrad",
+            "lr": 0.05,
+            "warmup_steps": 0,
+            "eval_every": 200,
+            "log_every": 20,
+            "checkpoint_every": 200,
+        },
+        downpour={"num_replicas": 2, "num_shards": 2, "n_fetch": 2, "n_push": 2},
+        sync={"num_workers": 2},
+        model_parallel={"stages": 2},
+    )
+
+
+def test_a_replica_killed_while_starting_is_started_again(ray_session, tmp_path):
+    marker = tmp_path / "died"
+    result = prepare(config(tmp_path, "dp", dies_once=str(marker))).train()
+    assert marker.exists()  # one replica did die while it started
+    assert result.step == 400
+    assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 1
+    assert result.summary["final_test_accuracy"] > 0.9  # as the fault-free run's (test_downpour)
+    failure = load_checkpoint(result.run_dir / "checkpoints" / "step_00000400.json")[1]
+    assert failure["failures"][0]["kind"] == "died while starting"
+
+
+def test_a_replica_that_raises_the_same_error_twice_stops_the_run(ray_session, tmp_path):
+    with pytest.raises(UserError, match="failed while starting: RuntimeError: this model cannot"):
+        prepare(config(tmp_path, "dp", always_raises=True)).train()
+
+
+def test_a_shard_primary_lost_before_its_backup_exists_is_started_again(
+    ray_session, tmp_path, monkeypatch
+):
+    create = server_module.ParameterServer.create.__func__
+    killed = []
+
+    def create_then_kill_shard_0(cls, *args, **kwargs):
+        wait = kwargs.pop("wait", True)
+        server = create(cls, *args, wait=False, **kwargs)
+        if not killed:  # the first server only: shard 0 dies during `initialize`
+            ray.kill(server.shards[0], no_restart=True)
+            killed.append(server.shards[0])
+        if wait:
+            server.wait()
+        return server
+
+    monkeypatch.setattr(
+        server_module.ParameterServer, "create", classmethod(create_then_kill_shard_0)
+    )
+    path = config(tmp_path, "dp")
+    result = prepare(path, overrides=["downpour.shard_backups=1"]).train()
+    assert killed and result.step == 400
+    assert result.summary["shard_updates_lost"] == 0
+    assert result.summary["final_test_accuracy"] > 0.9
+
+
+@pytest.mark.parametrize("strategy", ["sync", "model_parallel"])
+def test_a_group_worker_killed_while_starting_restarts_the_group(ray_session, tmp_path, strategy):
+    """A sync worker, or a pipeline stage, killed while it builds its model: the driver
+    starts the group again (train.max_restarts), from the start, and the run completes."""
+    marker = tmp_path / "died"
+    result = prepare(config(tmp_path, strategy, strategy, dies_once=str(marker))).train()
+    assert marker.exists() and result.step == 400
+    assert result.summary["restarts"] == 1
+    assert result.summary["final_test_accuracy"] > 0.9
