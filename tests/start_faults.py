@@ -14,17 +14,24 @@ def in_an_actor() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
+class Unmovable(nn.Sequential):
+    """Built anywhere, but moved to a device inside an actor it raises, every time."""
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
+        if in_an_actor():
+            raise RuntimeError("cannot move this model here")
+        return super()._apply(fn, recurse)
+
+
 def mlp(sizes: list[int], dies_once: str = "", always_raises: bool = False) -> nn.Module:
     """`dies_once`: a path; the first actor to build the model creates it and is SIGKILLed
-    (a process lost while it starts). `always_raises`: every actor's construction raises
-    the same error (a deterministic failure)."""
-    if in_an_actor():
-        if always_raises:
-            raise RuntimeError("this model cannot be built here")
-        if dies_once and not Path(dies_once).exists():
-            Path(dies_once).touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+    (a process lost while it starts). `always_raises`: in every actor, moving the model to
+    its device raises the same error (a deterministic failure, not a user's config error:
+    a factory that raises is one, and stops the run at once)."""
+    if in_an_actor() and dies_once and not Path(dies_once).exists():
+        Path(dies_once).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
     layers: list[nn.Module] = [nn.Flatten()]
     for i, (a, b) in enumerate(zip(sizes, sizes[1:], strict=False)):
         layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
-    return nn.Sequential(*layers)
+    return (Unmovable if always_raises else nn.Sequential)(*layers)

@@ -9,7 +9,6 @@ a second Ctrl-C usually does.
 
 from __future__ import annotations
 
-import _thread
 import os
 import signal
 import sys
@@ -17,7 +16,7 @@ import threading
 from types import FrameType, TracebackType
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
-# after the grace period the main thread is interrupted; if it is stuck where Python
+# after the grace period the main thread gets a second SIGTERM; if it is stuck where Python
 # cannot interrupt it, the process ends this much later
 FORCE_AFTER_S = 10.0
 
@@ -67,7 +66,8 @@ class StopOnInterrupt:
             flush=True,
         )
         self._start_timer(FORCE_AFTER_S, lambda: os._exit(exit_status(signal.SIGTERM)))
-        _thread.interrupt_main(signal.SIGTERM)
+        # a real signal to the main thread: it also ends a blocking call (a sleep, a wait)
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
 
     def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():

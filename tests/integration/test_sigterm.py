@@ -20,9 +20,21 @@ REPO = Path(__file__).resolve().parents[2]
 SHORT = ["train.log_every=5", "train.eval_every=100000", "train.checkpoint_every=100000"]
 # per strategy: its config, the overrides of a short run, and its total steps
 RUNS = {
-    "single": ("mnist_single", ["model.sizes=[784, 64, 10]", "train.steps=400"], 400),
-    "sync": ("mnist_sync", ["model.sizes=[784, 64, 10]", "train.steps=300"], 300),
-    "downpour": ("mnist_downpour", ["model.sizes=[784, 64, 10]", "train.steps=600"], 600),
+    "single": (
+        "mnist_single",
+        ["model.sizes=[784, 64, 10]", "model.dropout=0.0", "train.steps=400"],
+        400,
+    ),
+    "sync": (
+        "mnist_sync",
+        ["model.sizes=[784, 64, 10]", "model.dropout=0.0", "train.steps=300"],
+        300,
+    ),
+    "downpour": (
+        "mnist_downpour",
+        ["model.sizes=[784, 64, 10]", "model.dropout=0.0", "train.steps=600"],
+        600,
+    ),
     "sandblaster": ("mnist_sandblaster", ["sandblaster.max_iterations=60"], 60),
 }
 

@@ -35,30 +35,51 @@ def config(tmp_path, name: str, strategy: str = "downpour", **model_kwargs) -> o
             "log_every": 20,
             "checkpoint_every": 200,
         },
-        downpour={"num_replicas": 2, "num_shards": 2, "n_fetch": 2, "n_push": 2},
-        sync={"num_workers": 2},
-        model_parallel={"stages": 2},
+        **{
+            "downpour": {
+                "downpour": {"num_replicas": 2, "num_shards": 2, "n_fetch": 2, "n_push": 2}
+            },
+            "sync": {"sync": {"num_workers": 2}},
+            "model_parallel": {"model_parallel": {"stages": 2}},
+        }[strategy],
     )
 
 
-def test_a_replica_killed_while_starting_is_started_again(ray_session, tmp_path):
+@pytest.fixture(scope="module")
+def fault_free(ray_session, tmp_path_factory):
+    """The final test accuracy of each strategy's run without a fault (run once, on demand)."""
+    accuracy: dict[str, float] = {}
+
+    def of(strategy: str) -> float:
+        if strategy not in accuracy:
+            path = config(tmp_path_factory.mktemp(strategy), strategy, strategy)
+            accuracy[strategy] = prepare(path).train().summary["final_test_accuracy"]
+        return accuracy[strategy]
+
+    return of
+
+
+NOISE = 0.015  # accuracy points between runs whose replicas interleave differently
+
+
+def test_a_replica_killed_while_starting_is_started_again(ray_session, tmp_path, fault_free):
     marker = tmp_path / "died"
     result = prepare(config(tmp_path, "dp", dies_once=str(marker))).train()
     assert marker.exists()  # one replica did die while it started
     assert result.step == 400
     assert result.summary["replica_failures"] == 1 and result.summary["replica_restarts"] == 1
-    assert result.summary["final_test_accuracy"] > 0.9  # as the fault-free run's (test_downpour)
+    assert result.summary["final_test_accuracy"] > fault_free("downpour") - NOISE
     failure = load_checkpoint(result.run_dir / "checkpoints" / "step_00000400.json")[1]
     assert failure["failures"][0]["kind"] == "died while starting"
 
 
 def test_a_replica_that_raises_the_same_error_twice_stops_the_run(ray_session, tmp_path):
-    with pytest.raises(UserError, match="failed while starting: RuntimeError: this model cannot"):
+    with pytest.raises(UserError, match="failed while starting: RuntimeError: cannot move"):
         prepare(config(tmp_path, "dp", always_raises=True)).train()
 
 
 def test_a_shard_primary_lost_before_its_backup_exists_is_started_again(
-    ray_session, tmp_path, monkeypatch
+    ray_session, tmp_path, monkeypatch, fault_free
 ):
     create = server_module.ParameterServer.create.__func__
     killed = []
@@ -80,15 +101,20 @@ def test_a_shard_primary_lost_before_its_backup_exists_is_started_again(
     result = prepare(path, overrides=["downpour.shard_backups=1"]).train()
     assert killed and result.step == 400
     assert result.summary["shard_updates_lost"] == 0
-    assert result.summary["final_test_accuracy"] > 0.9
+    assert result.summary["final_test_accuracy"] > fault_free("downpour") - NOISE
 
 
-@pytest.mark.parametrize("strategy", ["sync", "model_parallel"])
-def test_a_group_worker_killed_while_starting_restarts_the_group(ray_session, tmp_path, strategy):
+@pytest.mark.parametrize(
+    "strategy", ["sync", pytest.param("model_parallel", marks=pytest.mark.slow)]
+)
+def test_a_group_worker_killed_while_starting_restarts_the_group(
+    ray_session, tmp_path, strategy, fault_free
+):
     """A sync worker, or a pipeline stage, killed while it builds its model: the driver
     starts the group again (train.max_restarts), from the start, and the run completes."""
     marker = tmp_path / "died"
     result = prepare(config(tmp_path, strategy, strategy, dies_once=str(marker))).train()
     assert marker.exists() and result.step == 400
     assert result.summary["restarts"] == 1
-    assert result.summary["final_test_accuracy"] > 0.9
+    # started again from the start: the fault-free run's steps, to the bit
+    assert result.summary["final_test_accuracy"] == fault_free(strategy)

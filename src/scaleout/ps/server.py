@@ -203,7 +203,7 @@ class ParameterServer(SameNodeShards):
                     ) from None
                 time.sleep(restart_backoff_s(attempt))
                 if self._start_again is not None:
-                    kill(self.shards[slot])
+                    kill([self.shards[slot]])
                     self.shards[slot] = self._start_again(slot)
                 values = self._initial[start:stop].numpy()
                 pending = self.shards[slot].initialize.remote(values, self._start_step)
