@@ -39,10 +39,13 @@ from typing import Any
 import torch
 
 from benchmarks import Row, SuiteResult, register_suite, simulate_testnet
-from benchmarks.simulate_ablation import TERMS, verdict, without
+from benchmarks.simulate_ablation import TERMS, without
 from scaleout.sim.calibration import Calibration, MessageCost
 
 REPEATS = 3
+# what priced each case, kept for `reprice` (not committed: a run's own calibrations)
+KEPT_INPUTS = Path("results/simulate_inputs")
+INPUTS_FILE = "inputs.json"
 MEAN_TARGET, WORST_TARGET = 7.0, 20.0  # % absolute error of examples/s
 SHORT = [  # a short run that still evaluates and checkpoints like a user's
     "train.steps=400",
@@ -153,7 +156,7 @@ def _measured(case: Case, root: Path) -> float:
     return simulate_testnet.examples_per_s(result.run_dir)
 
 
-def _simulated(
+def simulate_case(
     case: Case, root: Path, calibration: Path, networks: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """The simulation of `case` priced by `calibration`: on this machine alone
@@ -259,7 +262,7 @@ def _measuring_key(config: Any) -> tuple[str, str]:  # noqa: ANN401 - a RunConfi
 
 
 @dataclass
-class _Outcome:
+class Outcome:
     """One case's real runs beside its simulations."""
 
     case: Case
@@ -270,8 +273,6 @@ class _Outcome:
     # simulated as `around`, with one correction term removed (`simulate_ablation.TERMS`)
     ablated: dict[str, float] = field(default_factory=dict)
     priced_by: list[Path] = field(default_factory=list)  # the calibrations before / after
-    # simulated as `around`, with every term the ablation would delete removed together
-    pruned: float | None = None
 
     @property
     def simulated(self) -> float:
@@ -308,57 +309,7 @@ class _Outcome:
         )
 
 
-def _ablation(outcomes: list[_Outcome]) -> tuple[list[Row], list[str]]:
-    """Per correction term, the suite's mean absolute error with the term removed, and
-    whether it moves the mean enough to keep."""
-    full = statistics.mean(abs(o.error()) for o in outcomes)
-    rows, notes = [], []
-    for term in TERMS:
-        if not all(term in o.ablated for o in outcomes):
-            continue
-        mean = statistics.mean(abs(o.error(o.ablated[term])) for o in outcomes)
-        worst = max(abs(o.error(o.ablated[term])) for o in outcomes)
-        decision = verdict(full, mean)
-        rows.append(Row(f"mean absolute error without {term} ({decision})", mean, "%", "lower"))
-        notes.append(
-            f"without {term}: mean |error| {mean:.1f}% ({mean - full:+.1f} pp against "
-            f"{full:.1f}% with every term), worst {worst:.1f}%: {decision}"
-        )
-    return rows, notes
-
-
-def _deleted(outcomes: list[_Outcome]) -> list[str]:
-    """The terms the ablation finds not worth their code."""
-    full = statistics.mean(abs(o.error()) for o in outcomes)
-    return [
-        term
-        for term in TERMS
-        if all(term in o.ablated for o in outcomes)
-        and verdict(full, statistics.mean(abs(o.error(o.ablated[term])) for o in outcomes))
-        == "delete"
-    ]
-
-
-def _pruned_rows(outcomes: list[_Outcome], deleted: list[str]) -> list[Row]:
-    """The suite's mean and worst error with every deleted term removed at once: the
-    simulator as it is after the deletion, on the same runs."""
-    if not deleted or any(o.pruned is None for o in outcomes):
-        return []
-    errors = [abs(o.error(o.pruned)) for o in outcomes]
-    what = ", ".join(deleted)
-    return [
-        Row(
-            f"mean absolute error without {what}",
-            statistics.mean(errors),
-            "%",
-            "lower",
-            target=MEAN_TARGET,
-        ),
-        Row(f"worst absolute error without {what}", max(errors), "%", "lower", target=WORST_TARGET),
-    ]
-
-
-def _summary(outcomes: list[_Outcome]) -> list[Row]:
+def summary_rows(outcomes: list[Outcome]) -> list[Row]:
     errors = [abs(o.error()) for o in outcomes]
     at_start = [abs(o.error(o.at_start)) for o in outcomes]
     return [
@@ -380,7 +331,7 @@ def run() -> SuiteResult:
     from scaleout.sim.measure_calls import shard_message_sizes
 
     notes: list[str] = []
-    outcomes: list[_Outcome] = []
+    outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         configs = {
@@ -424,31 +375,29 @@ def run() -> SuiteResult:
             after = _remeasured(calibration, measuring[key], root / f"{index}_after.json")
             latest = (key, after)
             around = [
-                _simulated(case, root, path, networks)["examples_per_s"] for path in (before, after)
+                simulate_case(case, root, path, networks)["examples_per_s"]
+                for path in (before, after)
             ]
-            at_start = _simulated(case, root, cal_path, networks)["examples_per_s"]
+            at_start = simulate_case(case, root, cal_path, networks)["examples_per_s"]
             costs = [_costs(path, configs[case]) for path in (cal_path, before, after)]
             ablated = {
                 term: statistics.mean(
-                    _simulated(case, root, without(term, path, root), networks)["examples_per_s"]
+                    simulate_case(case, root, without(term, path, root), networks)["examples_per_s"]
                     for path in (before, after)
                 )
                 for term in TERMS
             }
-            outcome = _Outcome(case, measured, around, at_start, costs, ablated, [before, after])
+            outcome = Outcome(case, measured, around, at_start, costs, ablated, [before, after])
             print(outcome.note(), flush=True)  # in the log as it comes: the suite takes an hour
             outcomes.append(outcome)
-        ablation_rows, ablation_notes = _ablation(outcomes) if outcomes else ([], [])
-        deleted = _deleted(outcomes) if outcomes else []
-        for outcome in outcomes if deleted else []:
-            outcome.pruned = statistics.mean(
-                _simulated(outcome.case, root, without(deleted, path, root), networks)[
-                    "examples_per_s"
-                ]
-                for path in outcome.priced_by
-            )
-    rows = [outcome.row() for outcome in outcomes] + _summary(outcomes) + ablation_rows
-    rows += _pruned_rows(outcomes, deleted)
+        from benchmarks.simulate_pricing import Pricing, ablation, elimination, keep_inputs
+
+        ablation_rows, ablation_notes = ablation(outcomes) if outcomes else ([], [])
+        if outcomes:
+            keep_inputs(outcomes, networks, KEPT_INPUTS)
+            more_rows, more_notes = elimination(Pricing(outcomes, root, networks))
+            ablation_rows, ablation_notes = ablation_rows + more_rows, ablation_notes + more_notes
+    rows = [outcome.row() for outcome in outcomes] + summary_rows(outcomes) + ablation_rows
     notes.extend(outcome.note() for outcome in outcomes)
     notes.extend(ablation_notes)
     return SuiteResult(rows, notes=notes, contended="contended" in calibration.notes)

@@ -2,15 +2,17 @@
 
 Beyond processor sharing of cores and links, the engine charges calibrated corrections:
 each is a cost the simple model missed on a real run. A term earns its place when pricing
-the held-out runs without it moves the suite's mean absolute error by at least `KEEP_PP`
-percentage points; the others are candidates for deletion. Removing a term means pricing
-with its neutral value in a copy of the calibration, so the engine and the cases stay as
-they are.
+the held-out runs without it raises the suite's mean absolute error by at least `KEEP_PP`
+percentage points; the others are candidates for deletion, decided by backward elimination
+(`eliminate`) so that terms covering one effect are not all deleted for covering it
+together. Removing a term means pricing with its neutral value in a copy of the
+calibration, so the engine and the cases stay as they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from scaleout.sim.calibration import Calibration
@@ -76,5 +78,37 @@ def without(terms: str | Sequence[str], path: Path, out_dir: Path) -> Path:
 
 
 def verdict(full_error: float, without_error: float) -> str:
-    """'keep' when removing the term moves the mean error by at least `KEEP_PP`."""
-    return "keep" if abs(without_error - full_error) >= KEEP_PP else "delete"
+    """'keep' when removing the term raises the mean error by at least `KEEP_PP`; a term
+    whose removal lowers it does harm, and goes too."""
+    return "keep" if without_error - full_error >= KEEP_PP else "delete"
+
+
+@dataclass(frozen=True)
+class Elimination:
+    """One step of `eliminate`: `term` removed, the mean error before and after."""
+
+    term: str
+    before: float
+    after: float
+
+
+def eliminate(
+    terms: Sequence[str], mean_without: Callable[[list[str]], float]
+) -> list[Elimination]:
+    """Backward elimination: remove the term whose removal raises the mean error least (given
+    those removed before it), while that rise is under `KEEP_PP`. Terms that model one
+    effect each look redundant alone (removing one, the others still cover it); removed
+    one at a time, the last of them shows what the effect is worth. `mean_without(removed)`
+    prices the suite with `removed` taken out."""
+    removed: list[str] = []
+    current = mean_without([])
+    steps: list[Elimination] = []
+    while len(removed) < len(terms):
+        means = {t: mean_without([*removed, t]) for t in terms if t not in removed}
+        term = min(means, key=lambda t: means[t])
+        if verdict(current, means[term]) == "keep":
+            break
+        steps.append(Elimination(term, current, means[term]))
+        removed.append(term)
+        current = means[term]
+    return steps

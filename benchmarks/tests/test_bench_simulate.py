@@ -34,7 +34,7 @@ def test_testnet_cases_are_priced_on_two_machines_over_the_measured_network(tmp_
     shard each) over the link set into its calibration, never over a named one, and its
     calls across the link cost what was measured beyond the same calls on one host."""
 
-    from benchmarks.simulate import _simulated
+    from benchmarks.simulate import simulate_case
     from scaleout.sim.calibration import LinkCost, MessageCost
 
     calibration = CALIBRATION
@@ -45,7 +45,7 @@ def test_testnet_cases_are_priced_on_two_machines_over_the_measured_network(tmp_
         if across_s is not None:
             cost = MessageCost(fixed_s=across_s, bytes_per_s=1e12)
             network.update(pull_across=cost, push_across=cost)
-        return _simulated(case, tmp_path, calibration, {"100mbit": network})
+        return simulate_case(case, tmp_path, calibration, {"100mbit": network})
 
     rows = {rate: simulated(rate) for rate in (12.5e6, 2e6)}
     for row in rows.values():
@@ -215,15 +215,15 @@ def test_cases_of_one_model_and_strategy_share_their_measurements(tmp_path):
 
 
 def test_a_case_row_is_the_mean_prediction_against_the_measured_median():
-    from benchmarks.simulate import _Outcome, _summary
+    from benchmarks.simulate import Outcome, summary_rows
 
     case = CASES[0]
-    hit = _Outcome(case, measured=[90.0, 100.0, 120.0], around=[105.0, 115.0], at_start=95.0)
+    hit = Outcome(case, measured=[90.0, 100.0, 120.0], around=[105.0, 115.0], at_start=95.0)
     assert hit.simulated == 110.0 and abs(hit.error() - 10.0) < 1e-9
     assert abs(hit.error(hit.at_start) + 5.0) < 1e-9
     assert hit.row().value == hit.error() and "(spread 30%)" in hit.row().name
-    miss = _Outcome(case, measured=[200.0] * 3, around=[150.0, 150.0], at_start=200.0)
-    mean, worst, at_start = _summary([hit, miss])
+    miss = Outcome(case, measured=[200.0] * 3, around=[150.0, 150.0], at_start=200.0)
+    mean, worst, at_start = summary_rows([hit, miss])
     assert [mean.value, worst.value, at_start.value] == pytest.approx([17.5, 25.0, 2.5])
     assert (mean.meets, worst.meets) == (False, False)
 
@@ -232,7 +232,7 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     """The step, two processes' slow-down and the strategy's call at the case's own message
     size (a quarter of the 1,863,690-value MLP per shard with 4 shards; the whole model for
     sync's all-reduce), as the calibration prices them."""
-    from benchmarks.simulate import _costs, _Outcome
+    from benchmarks.simulate import Outcome, _costs
     from scaleout.sim.calibration import Calibration, LockstepCost
     from scaleout.sim.measuring import model_key
 
@@ -278,7 +278,7 @@ def test_a_case_note_names_the_costs_its_prediction_leans_on(tmp_path):
     assert f"exchange {cal.exchange.seconds(1 << 20) * 1e3:.2f} ms" in note
     extra = cal.lockstep["exchange"].extra(0.005, 1 << 20)
     assert note.endswith(f"at 1.05 MB, +{extra * 1e3:.2f} ms after 5 ms of compute")
-    outcome = _Outcome(case, [1.0] * 3, [1.0, 1.0], 1.0, ["s", "b", "a"])
+    outcome = Outcome(case, [1.0] * 3, [1.0, 1.0], 1.0, ["s", "b", "a"])
     assert outcome.note().endswith("; start: s; before: b; after: a")
 
 
@@ -303,8 +303,9 @@ def test_a_case_that_cannot_run_is_left_out_and_the_others_count(monkeypatch, tm
     monkeypatch.setattr(suite.simulate_testnet, "available", lambda: "no testnet here")
     monkeypatch.setattr(suite, "_remeasured", lambda calibration, configs, path: saved)
     monkeypatch.setattr(suite, "_measured", measured)
-    monkeypatch.setattr(suite, "_simulated", lambda *args: {"examples_per_s": 110.0})
+    monkeypatch.setattr(suite, "simulate_case", lambda *args: {"examples_per_s": 110.0})
     monkeypatch.setattr(suite, "_costs", lambda path, config: "costs")
+    monkeypatch.setattr(suite, "KEPT_INPUTS", tmp_path / "kept")
     result = suite.run()
     local = [case for case in CASES if case.link is None]
     scored = [row for row in result.rows if row.name.startswith(("downpour", "sync", "model"))]

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.simulate import Case, _ablation, _deleted, _Outcome, _pruned_rows
-from benchmarks.simulate_ablation import KEEP_PP, TERMS, verdict, without
+from benchmarks.simulate import Case, Outcome
+from benchmarks.simulate_ablation import KEEP_PP, TERMS, eliminate, verdict, without
+from benchmarks.simulate_pricing import ablation
 from scaleout.sim.calibration import Calibration, LockstepCost, MessageCost, ModelCost
 
 
@@ -60,8 +61,9 @@ def test_each_term_is_removed_and_nothing_else(tmp_path: Path):
 
 
 def test_verdict_keeps_what_moves_the_mean_by_a_point():
-    assert verdict(5.0, 5.0 + KEEP_PP) == "keep" and verdict(5.0, 5.0 - KEEP_PP) == "keep"
+    assert verdict(5.0, 5.0 + KEEP_PP) == "keep"
     assert verdict(5.0, 5.0 + KEEP_PP / 2) == "delete"
+    assert verdict(5.0, 5.0 - KEEP_PP) == "delete"  # the model is better without it
 
 
 def test_ablation_rows_are_the_mean_error_without_each_term():
@@ -70,12 +72,12 @@ def test_ablation_rows_are_the_mean_error_without_each_term():
     # measured 100 ex/s; with every term 104 and 96 (4% each); without the first term 90
     # and 110 (10% each): +6 pp, kept; without the others 104.5 and 96 (4.25%): deleted
     outcomes = [
-        _Outcome(case, [100.0] * 3, [p, p], p, ablated={t: q for t in terms})
+        Outcome(case, [100.0] * 3, [p, p], p, ablated={t: q for t in terms})
         for p, q in ((104.0, 104.5), (96.0, 96.0))
     ]
     outcomes[0].ablated[terms[0]] = 90.0
     outcomes[1].ablated[terms[0]] = 110.0
-    rows, notes = _ablation(outcomes)
+    rows, notes = ablation(outcomes)
     assert [r.value for r in rows] == pytest.approx([10.0] + [4.25] * (len(terms) - 1))
     assert rows[0].name.endswith("(keep)") and all(r.name.endswith("(delete)") for r in rows[1:])
     assert "+6.0 pp" in notes[0]
@@ -88,17 +90,46 @@ def test_several_terms_are_removed_together(tmp_path: Path):
     assert both.models["m"].beside_calls == 1.1  # a term not named stays
 
 
-def test_the_pruned_rows_price_every_deleted_term_at_once():
-    case = Case("c", "mnist_downpour.toml")
-    terms = list(TERMS)
-    outcomes = [
-        _Outcome(case, [100.0] * 3, [p, p], p, ablated={t: p for t in terms}) for p in (104.0, 96.0)
+def test_elimination_keeps_one_of_two_terms_that_cover_one_effect():
+    """a and b model one effect: either alone covers it (removing one costs 0.2 pp), both
+    gone cost 2 pp; c does harm (its removal lowers the error); d is worth 3 pp. Removed one
+    at a time, least costly first: c, then a; then b's removal would cost 1.8 pp: stop."""
+
+    def mean_without(removed: list[str]) -> float:
+        gone = set(removed)
+        effect = 2.0 if {"a", "b"} <= gone else 0.2 if gone & {"a", "b"} else 0.0
+        return 5.0 + effect - 0.5 * ("c" in gone) + 3.0 * ("d" in gone)
+
+    steps = eliminate(["a", "b", "c", "d"], mean_without)
+    assert [s.term for s in steps] == ["c", "a"]
+    assert [(s.before, s.after) for s in steps] == [(5.0, 4.5), (4.5, 4.7)]
+
+
+def test_kept_inputs_price_the_runs_again(tmp_path, monkeypatch):
+    """A run's figures and calibrations, kept, give the same pricing again without a run."""
+    from benchmarks import simulate as suite
+    from benchmarks.simulate import CASES
+    from benchmarks.simulate_pricing import keep_inputs, reprice
+
+    before = _calibration().save(tmp_path / "0_before.json")
+    after = _calibration().save(tmp_path / "0_after.json")
+    outcome = Outcome(
+        CASES[0], [100.0, 90.0, 110.0], [105.0, 105.0], 105.0, priced_by=[before, after]
+    )
+    keep_inputs([outcome], {}, tmp_path / "kept")
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [
+        "0_after.json",
+        "0_before.json",
+        "inputs.json",
     ]
-    outcomes[0].ablated[terms[0]] = 90.0  # only the first term moves the mean
-    deleted = _deleted(outcomes)
-    assert deleted == terms[1:]
-    assert _pruned_rows(outcomes, deleted) == []  # not priced yet: no rows
-    outcomes[0].pruned, outcomes[1].pruned = 103.0, 95.0  # errors 3% and 5%
-    mean, worst = _pruned_rows(outcomes, deleted)
-    assert (mean.value, worst.value) == pytest.approx((4.0, 5.0))
-    assert terms[1] in mean.name
+    priced = []
+
+    def simulate_case(case, root, calibration, networks):
+        priced.append(calibration.name)
+        return {"examples_per_s": 105.0}
+
+    monkeypatch.setattr(suite, "simulate_case", simulate_case)
+    rows, notes = reprice(tmp_path / "kept")
+    assert rows[0].name == "mean absolute error" and rows[0].value == pytest.approx(5.0)
+    assert {"0_before.json", "0_after.json"} <= set(priced)  # the kept calibrations price it
+    assert notes[-1].startswith("elimination keeps no term")  # no term moves anything here
