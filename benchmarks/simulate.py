@@ -29,6 +29,7 @@ sharing this machine's cores, over the link measured between two hosts at that r
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import tempfile
@@ -39,14 +40,13 @@ from typing import Any
 import torch
 
 from benchmarks import Row, SuiteResult, register_suite, simulate_testnet
-from benchmarks.simulate_ablation import TERMS, without
+from benchmarks.simulate_ablation import MEAN_TARGET, TERMS, WORST_TARGET, without
+from benchmarks.simulate_pricing import INPUTS_FILE, Pricing, ablation, elimination, keep_inputs
 from scaleout.sim.calibration import Calibration, MessageCost
 
 REPEATS = 3
 # what priced each case, kept for `reprice` (not committed: a run's own calibrations)
 KEPT_INPUTS = Path("results/simulate_inputs")
-INPUTS_FILE = "inputs.json"
-MEAN_TARGET, WORST_TARGET = 7.0, 20.0  # % absolute error of examples/s
 SHORT = [  # a short run that still evaluates and checkpoints like a user's
     "train.steps=400",
     "train.eval_every=200",
@@ -390,14 +390,57 @@ def run() -> SuiteResult:
             outcome = Outcome(case, measured, around, at_start, costs, ablated, [before, after])
             print(outcome.note(), flush=True)  # in the log as it comes: the suite takes an hour
             outcomes.append(outcome)
-        from benchmarks.simulate_pricing import Pricing, ablation, elimination, keep_inputs
-
         ablation_rows, ablation_notes = ablation(outcomes) if outcomes else ([], [])
         if outcomes:
             keep_inputs(outcomes, networks, KEPT_INPUTS)
-            more_rows, more_notes = elimination(Pricing(outcomes, root, networks))
+            more_rows, more_notes = elimination(Pricing(outcomes, _price(root, networks)))
             ablation_rows, ablation_notes = ablation_rows + more_rows, ablation_notes + more_notes
     rows = [outcome.row() for outcome in outcomes] + summary_rows(outcomes) + ablation_rows
     notes.extend(outcome.note() for outcome in outcomes)
     notes.extend(ablation_notes)
     return SuiteResult(rows, notes=notes, contended="contended" in calibration.notes)
+
+
+def _price(root: Path, networks: dict[str, dict[str, Any]]) -> Any:  # noqa: ANN401
+    """A case's run priced by one calibration file (`simulate_pricing.Price`)."""
+
+    def price(outcome: Outcome, calibration: Path) -> float:
+        return simulate_case(outcome.case, root, calibration, networks)["examples_per_s"]
+
+    return price
+
+
+def reprice(directory: Path) -> tuple[list[Row], list[str]]:
+    """The ablation and the elimination again, from a run's kept inputs (`keep_inputs`)."""
+    document = json.loads((directory / INPUTS_FILE).read_text())
+    by_name = {case.name: case for case in CASES}
+    networks = document["networks"]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        outcomes = []
+        for entry in document["cases"]:
+            case = by_name[entry["name"]]
+            paths = [directory / name for name in entry["priced_by"]]
+            around = [simulate_case(case, root, path, networks)["examples_per_s"] for path in paths]
+            outcome = Outcome(case, entry["measured"], around, around[0], priced_by=paths)
+            outcome.ablated = {
+                term: statistics.mean(
+                    simulate_case(case, root, without(term, path, root), networks)["examples_per_s"]
+                    for path in paths
+                )
+                for term in TERMS
+            }
+            outcomes.append(outcome)
+        rows, notes = ablation(outcomes)
+        more_rows, more_notes = elimination(Pricing(outcomes, _price(root, networks)))
+    return summary_rows(outcomes)[:2] + rows + more_rows, notes + more_notes
+
+
+if __name__ == "__main__":  # python -m benchmarks.simulate [DIR]: the pricing again
+    import sys
+
+    rows, notes = reprice(Path(sys.argv[1]) if len(sys.argv) > 1 else KEPT_INPUTS)
+    for row in rows:
+        print(f"{row.value:7.2f}  {row.name}")
+    for note in notes:
+        print(f"note: {note}")

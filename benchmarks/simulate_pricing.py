@@ -3,7 +3,7 @@ backward elimination (`elimination`) over the same held-out runs, re-simulated w
 calibrations that priced them. A run keeps those calibrations and its measured figures
 (`keep_inputs`), so the pricing can be done again without running anything:
 
-    python -m benchmarks.simulate_pricing [results/simulate_inputs]
+    python -m benchmarks.simulate [results/simulate_inputs]
 """
 
 from __future__ import annotations
@@ -12,21 +12,26 @@ import json
 import shutil
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks import Row
-from benchmarks import simulate as suite
-from benchmarks.simulate import (
-    CASES,
-    INPUTS_FILE,
-    KEPT_INPUTS,
+from benchmarks.simulate_ablation import (
     MEAN_TARGET,
+    TERMS,
     WORST_TARGET,
-    Outcome,
-    summary_rows,
+    eliminate,
+    verdict,
+    without,
 )
-from benchmarks.simulate_ablation import TERMS, eliminate, verdict, without
+
+if TYPE_CHECKING:
+    from benchmarks.simulate import Outcome
+
+INPUTS_FILE = "inputs.json"  # in a run's kept inputs: each case's figures and calibrations
+# prices a case's run with one calibration: (outcome, calibration file) -> examples/s
+Price = Callable[["Outcome", Path], float]
 
 
 def ablation(outcomes: list[Outcome]) -> tuple[list[Row], list[str]]:
@@ -51,26 +56,22 @@ def ablation(outcomes: list[Outcome]) -> tuple[list[Row], list[str]]:
 class Pricing:
     """The outcomes simulated again with sets of terms removed, each set priced once."""
 
-    def __init__(
-        self, outcomes: list[Outcome], root: Path, networks: dict[str, dict[str, Any]]
-    ) -> None:
-        self.outcomes, self.root, self.networks = outcomes, root, networks
+    def __init__(self, outcomes: list[Outcome], price: Price) -> None:
+        self.outcomes, self.price = outcomes, price
         self.cache: dict[frozenset[str], list[float]] = {
             frozenset(): [o.simulated for o in outcomes]
         }
         for term in TERMS:
             if all(term in o.ablated for o in outcomes):
                 self.cache[frozenset([term])] = [o.ablated[term] for o in outcomes]
+        self._scratch = Path(tempfile.mkdtemp(prefix="pricing-"))
 
     def simulated(self, removed: list[str]) -> list[float]:
         key = frozenset(removed)
         if key not in self.cache:
             self.cache[key] = [
                 statistics.mean(
-                    suite.simulate_case(
-                        o.case, self.root, without(sorted(key), path, self.root), self.networks
-                    )["examples_per_s"]
-                    for path in o.priced_by
+                    self.price(o, without(sorted(key), path, self._scratch)) for path in o.priced_by
                 )
                 for o in self.outcomes
             ]
@@ -128,7 +129,7 @@ def elimination(pricing: Pricing) -> tuple[list[Row], list[str]]:
 
 def keep_inputs(outcomes: list[Outcome], networks: dict[str, dict[str, Any]], out: Path) -> None:
     """The runs' figures and the calibrations that priced them, in `out`: the pricing can
-    be done again without running anything (`python -m benchmarks.simulate DIR`)."""
+    be done again without running anything (`python -m benchmarks.simulate DIR`, `reprice`)."""
     out.mkdir(parents=True, exist_ok=True)
     cases = []
     for o in outcomes:
@@ -139,43 +140,3 @@ def keep_inputs(outcomes: list[Outcome], networks: dict[str, dict[str, Any]], ou
         cases.append({"name": o.case.name, "measured": o.measured, "priced_by": names})
     document = {"cases": cases, "networks": networks}
     (out / INPUTS_FILE).write_text(json.dumps(document, indent=1))
-
-
-def reprice(directory: Path) -> tuple[list[Row], list[str]]:
-    """The ablation and the elimination again, from a run's kept inputs (`keep_inputs`)."""
-    document = json.loads((directory / INPUTS_FILE).read_text())
-    by_name = {case.name: case for case in CASES}
-    networks = document["networks"]
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        outcomes = []
-        for entry in document["cases"]:
-            case = by_name[entry["name"]]
-            paths = [directory / name for name in entry["priced_by"]]
-            around = [
-                suite.simulate_case(case, root, path, networks)["examples_per_s"] for path in paths
-            ]
-            outcome = Outcome(case, entry["measured"], around, around[0], priced_by=paths)
-            outcome.ablated = {
-                term: statistics.mean(
-                    suite.simulate_case(case, root, without(term, path, root), networks)[
-                        "examples_per_s"
-                    ]
-                    for path in paths
-                )
-                for term in TERMS
-            }
-            outcomes.append(outcome)
-        rows, notes = ablation(outcomes)
-        more_rows, more_notes = elimination(Pricing(outcomes, root, networks))
-    return summary_rows(outcomes)[:2] + rows + more_rows, notes + more_notes
-
-
-if __name__ == "__main__":  # python -m benchmarks.simulate_pricing [DIR]: the pricing again
-    import sys
-
-    rows, notes = reprice(Path(sys.argv[1]) if len(sys.argv) > 1 else KEPT_INPUTS)
-    for row in rows:
-        print(f"{row.value:7.2f}  {row.name}")
-    for note in notes:
-        print(f"note: {note}")

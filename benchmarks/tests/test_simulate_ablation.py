@@ -108,8 +108,8 @@ def test_elimination_keeps_one_of_two_terms_that_cover_one_effect():
 def test_kept_inputs_price_the_runs_again(tmp_path, monkeypatch):
     """A run's figures and calibrations, kept, give the same pricing again without a run."""
     from benchmarks import simulate as suite
-    from benchmarks.simulate import CASES
-    from benchmarks.simulate_pricing import keep_inputs, reprice
+    from benchmarks.simulate import CASES, reprice
+    from benchmarks.simulate_pricing import keep_inputs
 
     before = _calibration().save(tmp_path / "0_before.json")
     after = _calibration().save(tmp_path / "0_after.json")
