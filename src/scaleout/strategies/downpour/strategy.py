@@ -59,6 +59,7 @@ from scaleout.strategies.downpour import DownpourSection
 from scaleout.strategies.downpour.checks import check_asynchrony, check_replica_steps
 from scaleout.strategies.downpour.failures import ReplicaFailures
 from scaleout.strategies.downpour.phase_shards import PhaseShards
+from scaleout.strategies.downpour.positions import data_progress, rescaled
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica, placement
 from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT, plot_staleness
@@ -241,8 +242,28 @@ class Downpour(ReplicaFailures):
             )
         self.step = self.assigned = resume.step
         self.examples = meta["examples"]
-        if len(meta.get("positions", [])) == len(self.positions):
-            self.positions = meta["positions"]
+        saved = meta.get("positions", [])
+        if len(saved) == len(self.positions):
+            self.positions = saved
+        elif saved:  # another replica count: new parts of the data, at the run's place in it
+            probe = self.job.probe
+            assert probe is not None
+            size, batch = probe.train_size, self.cfg.batch_size
+            self.positions = list(
+                rescaled(
+                    saved,
+                    len(self.positions),
+                    size,
+                    batch,
+                    resume.step,
+                    self._phase_of(resume.step),
+                )
+            )
+            console.print(
+                f"{resume.path.name} was written by {len(saved)} replicas; {len(self.positions)} "
+                f"go on, each in its new part of the training set at epoch "
+                f"{data_progress(saved, size, batch):.2f} (docs: how-to/downpour)"
+            )
         self.failures, self.steps_lost = meta["failures"], meta["steps_lost"]
         self.shard_updates_lost = meta["shard_updates_lost"]
         truncate_metrics(self.run.path / PUSHES_FILE, self.step)
