@@ -262,7 +262,7 @@ class Downpour(ReplicaFailures):
             console.print(
                 f"{resume.path.name} was written by {len(saved)} replicas; {len(self.positions)} "
                 f"go on, each in its new part of the training set at epoch "
-                f"{data_progress(saved, size, batch):.2f} (docs: how-to/downpour)"
+                f"{data_progress(saved, size, batch):.2f}"
             )
         self.failures, self.steps_lost = meta["failures"], meta["steps_lost"]
         self.shard_updates_lost = meta["shard_updates_lost"]
