@@ -62,10 +62,12 @@ from benchmarks.faults_common import (
     mean,
     outcome,
     records,
+    resume_to_end,
     run_overrides,
     spread_row,
     summary_of,
     train,
+    wait_for_step,
     when,
 )
 from benchmarks.faults_host import lose_a_shard_host
@@ -200,22 +202,12 @@ def _driver_fault(root: Path, reference: Done) -> Outcome:
     started = time.perf_counter()
     first = cli(DOWNPOUR, root, name, "--overwrite")
     try:
-        while not any(r.get("step", 0) >= KILL_AT for r in records(run_dir)):
-            if first.poll() is not None:
-                raise RuntimeError(f"the run ended before the kill: {first.stderr.read()[-500:]}")
-            time.sleep(0.1)
+        wait_for_step(first, run_dir, KILL_AT, "the kill")
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
     killed_at = max(r["step"] for r in records(run_dir))
-    second = cli(DOWNPOUR, root, name, "--resume")
-    _, stderr = second.communicate()
-    seconds = time.perf_counter() - started
-    if second.returncode != 0:
-        raise RuntimeError(f"--resume failed: {stderr[-500:]}")
-    resumed_at = int(stderr.split(" at step ")[1].split()[0])
-    summary = summary_of(run_dir)
-    done = Done(summary, seconds, summary["step"], reference.planned)
+    done, resumed_at = resume_to_end(root, name, reference, started)
     return outcome("driver SIGKILL, then --resume", done, reference, killed_at - resumed_at)
 
 

@@ -221,3 +221,24 @@ def summary_of(run_dir: Path) -> dict[str, Any]:
 def records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     return read_metrics(path) if path.exists() else []
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, what: str) -> None:
+    """Until the CLI run `proc` writing `run_dir` has logged `step`; `what` comes next."""
+    while not any(r.get("step", 0) >= step for r in records(run_dir)):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended before {what}: {proc.stderr.read()[-500:]}")
+        time.sleep(0.1)
+
+
+def resume_to_end(root: Path, name: str, reference: Done, started: float) -> tuple[Done, int]:
+    """`--resume` the CLI run `name` to its end: the finished run, its seconds counted from
+    `started` (its first process's start), and the step it resumed at."""
+    second = cli(DOWNPOUR, root, name, "--resume")
+    _, stderr = second.communicate()
+    seconds = time.perf_counter() - started
+    if second.returncode != 0:
+        raise RuntimeError(f"--resume failed: {stderr[-500:]}")
+    resumed_at = int(stderr.split(" at step ")[1].split()[0])
+    summary = summary_of(root / name)
+    return Done(summary, seconds, summary["step"], reference.planned), resumed_at

@@ -21,9 +21,10 @@ from benchmarks.faults_common import (
     cli,
     downpour,
     outcome,
-    records,
+    resume_to_end,
     summary_of,
     train,
+    wait_for_step,
 )
 from scaleout.ps.server import ParameterServer
 
@@ -76,10 +77,7 @@ def _sigterm_then_resume(root: Path, reference: Done) -> Outcome:
     run_dir = root / name
     started = time.perf_counter()
     first = cli(DOWNPOUR, root, name, "--overwrite")
-    while not any(r.get("step", 0) >= KILL_AT for r in records(run_dir)):
-        if first.poll() is not None:
-            raise RuntimeError(f"the run ended before SIGTERM: {first.stderr.read()[-500:]}")
-        time.sleep(0.1)
+    wait_for_step(first, run_dir, KILL_AT, "SIGTERM")
     signalled = time.perf_counter()
     first.send_signal(signal.SIGTERM)
     _, stderr = first.communicate(timeout=120)
@@ -87,14 +85,7 @@ def _sigterm_then_resume(root: Path, reference: Done) -> Outcome:
     if first.returncode != 143:
         raise RuntimeError(f"SIGTERM: exit {first.returncode}, not 143: {stderr[-500:]}")
     stopped_at = summary_of(run_dir)["step"]
-    second = cli(DOWNPOUR, root, name, "--resume")
-    _, stderr = second.communicate()
-    seconds = time.perf_counter() - started
-    if second.returncode != 0:
-        raise RuntimeError(f"--resume failed: {stderr[-500:]}")
-    resumed_at = int(stderr.split(" at step ")[1].split()[0])
-    summary = summary_of(run_dir)
-    done = Done(summary, seconds, summary["step"], reference.planned)
+    done, resumed_at = resume_to_end(root, name, reference, started)
     note = f"stopped at step {stopped_at}, {stop_s:.1f} s after the signal; resumed there"
     return outcome("driver SIGTERM, then --resume", done, reference, stopped_at - resumed_at, note)
 
