@@ -1,6 +1,7 @@
-"""A model factory for the start-time fault tests: an MLP whose construction, inside a Ray
-actor, dies or raises as the test asks (through a file, since actors run in their own
-processes); in the driver it is a plain MLP."""
+"""For the start-time fault tests: a model factory, an MLP whose construction inside a Ray
+actor dies or raises as the test asks (through a file, since actors run in their own
+processes; in the driver it is a plain MLP), and a backup keeper that kills a backup as it
+starts."""
 
 import os
 import signal
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import ray
 from torch import nn
+
+from scaleout.ps.backup import BackupKeeper
 
 
 def in_an_actor() -> bool:
@@ -35,3 +38,18 @@ def mlp(sizes: list[int], dies_once: str = "", always_raises: bool = False) -> n
     for i, (a, b) in enumerate(zip(sizes, sizes[1:], strict=False)):
         layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
     return (Unmovable if always_raises else nn.Sequential)(*layers)
+
+
+class KeeperKillingItsFirstBackup(BackupKeeper):
+    """Starts backups as the library's keeper does, but kills the first one it starts at
+    once (a backup lost while it starts, before it took its primary's state), and then
+    creates the file `marker` names (set it on a subclass)."""
+
+    marker = ""
+
+    def spawn(self, actor_class, args, node, resource):  # noqa: ANN001, ANN201
+        handle = super().spawn(actor_class, args, node, resource)
+        if not Path(self.marker).exists():
+            ray.kill(handle, no_restart=True)
+            Path(self.marker).touch()
+        return handle

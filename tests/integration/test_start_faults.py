@@ -1,8 +1,11 @@
 """Faults while a run starts, each survived like a fault mid-run: a Downpour replica
 killed while it builds its model and data is started again; a shard primary lost before its
-backup exists is started again from the initial values; a sync worker or a pipeline stage
+backup exists is started again from the initial values; a backup lost while it starts
+leaves its primary going; a sync worker or a pipeline stage
 killed while it starts has its group started again; a failure that repeats itself (the same
 exception twice) is one line."""
+
+from pathlib import Path
 
 import pytest
 import ray
@@ -59,7 +62,9 @@ def fault_free(ray_session, tmp_path_factory):
     return of
 
 
-NOISE = 0.015  # accuracy points between runs whose replicas interleave differently
+# fault-free runs of this config, whose replicas interleave differently, end up to 2.2 points
+# apart (87.8-90.0% in 4 runs)
+NOISE = 0.03
 
 
 def test_a_replica_killed_while_starting_is_started_again(ray_session, tmp_path, fault_free):
@@ -118,3 +123,24 @@ def test_a_group_worker_killed_while_starting_restarts_the_group(
     assert result.summary["restarts"] == 1
     # started again from the start: the fault-free run's steps, to the bit
     assert result.summary["final_test_accuracy"] == fault_free(strategy)
+
+
+def test_a_backup_lost_while_starting_leaves_the_primary_going(ray_session, tmp_path, monkeypatch):
+    """The first backup is killed as it starts, before it took its primary's state: the
+    primary goes on alone (and starts another later); nothing is lost."""
+    from tests.start_faults import KeeperKillingItsFirstBackup
+
+    class Keeper(KeeperKillingItsFirstBackup):  # sent to Ray by value, with its marker
+        marker = str(tmp_path / "backup killed")
+
+    spawn = server_module.spawn
+
+    def spawn_keeper(actor_class, *args, **kwargs):
+        keeper = actor_class is server_module.BackupKeeper
+        return spawn(Keeper if keeper else actor_class, *args, **kwargs)
+
+    monkeypatch.setattr(server_module, "spawn", spawn_keeper)
+    path = config(tmp_path, "dp", "downpour")
+    result = prepare(path, overrides=["downpour.shard_backups=1"]).train()
+    assert Path(Keeper.marker).exists()  # a backup was killed as it started
+    assert result.step == 400 and result.summary["shard_updates_lost"] == 0
