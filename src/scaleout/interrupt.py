@@ -32,8 +32,8 @@ def exit_status(signum: int) -> int:
 
 class StopOnInterrupt:
     """Within `with`, SIGINT and SIGTERM set `requested` (and `signal`, which of the two came
-    first) instead of stopping the process; signals handled elsewhere are left alone, and so
-    is everything when not in the main thread (where Python delivers signals)."""
+    first) instead of stopping the process, and their previous handlers come back after it;
+    outside the main thread (where Python delivers signals) nothing is changed."""
 
     def __init__(self, grace_s: float | None = None) -> None:
         self.grace_s = grace_s  # None: SIGTERM waits for the checkpoint however long it takes
