@@ -33,7 +33,7 @@ err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 DEMO_CONFIG = Path("configs/mnist_downpour.toml")
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = exit_status(signal.SIGINT)  # 130
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -49,9 +49,7 @@ def _train(args: argparse.Namespace) -> int:
     result = fit(args.config, overrides=overrides, resume=args.resume, overwrite=args.overwrite)
     assert result.run_dir is not None
     _print_summary(result.summary, result.run_dir)
-    if result.stopped_by is not None:
-        return exit_status(result.stopped_by)
-    return EXIT_INTERRUPTED if result.interrupted else 0
+    return exit_status(result.stopped_by) if result.stopped_by is not None else 0
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -40,10 +40,15 @@ class TrainResult:
     """What `scaleout.fit` returns: where the run stopped, its summary and its directory."""
 
     step: int
-    interrupted: bool  # stopped early by a signal, with a checkpoint of the step it reached
     summary: dict[str, Any] = field(default_factory=dict)
     run_dir: Path | None = None
-    stopped_by: signal.Signals | None = None  # SIGINT (Ctrl-C) or SIGTERM, when interrupted
+    # SIGINT (Ctrl-C) or SIGTERM when a signal stopped the run early, with a checkpoint of
+    # the step it reached
+    stopped_by: signal.Signals | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stopped_by is not None
 
     @property
     def steps(self) -> int:
@@ -325,4 +330,4 @@ class Driver:
             summary["stopped"] = stopped
         if stopped_by is not None:
             summary["stopped_by"] = stopped_by.name
-        return TrainResult(self.step, interrupt.requested, summary, self.run.path, stopped_by)
+        return TrainResult(self.step, summary, self.run.path, stopped_by)

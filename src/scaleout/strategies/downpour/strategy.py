@@ -249,16 +249,8 @@ class Downpour(ReplicaFailures):
             probe = self.job.probe
             assert probe is not None
             size, batch = probe.train_size, self.cfg.batch_size
-            self.positions = list(
-                rescaled(
-                    saved,
-                    len(self.positions),
-                    size,
-                    batch,
-                    resume.step,
-                    self._phase_of(resume.step),
-                )
-            )
+            phase = self._phase_of(resume.step)
+            self.positions = rescaled(saved, len(self.positions), size, batch, resume.step, phase)
             console.print(
                 f"{resume.path.name} was written by {len(saved)} replicas; {len(self.positions)} "
                 f"go on, each in its new part of the training set at epoch "
