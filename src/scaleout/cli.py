@@ -1,6 +1,7 @@
 """The `scaleout` command: parse, validate, build, run, clean up.
 
     scaleout train CONFIG [--out DIR] [--resume] [--overwrite] [--set key=value ...]
+    scaleout scale RUN_DIR --replicas N
     scaleout info CONFIG [--set key=value ...]
     scaleout report RUN_DIR
     scaleout calibrate [CONFIG ...] [--out FILE] [--set key=value ...]
@@ -50,6 +51,17 @@ def _train(args: argparse.Namespace) -> int:
     assert result.run_dir is not None
     _print_summary(result.summary, result.run_dir)
     return exit_status(result.stopped_by) if result.stopped_by is not None else 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from scaleout.strategies.downpour.scaling import request_scale
+
+    request_scale(args.run_dir, args.replicas)
+    out.print(
+        f"asked the run in {args.run_dir} to go on with {args.replicas} replicas; its "
+        "console and metrics.jsonl say when each joins or leaves"
+    )
+    return 0
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -194,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config value, e.g. --set train.lr=0.01 (repeatable)",
     )
     train.set_defaults(handler=_train)
+
+    scale = verbs.add_parser("scale", help="change a running Downpour run's replica count")
+    scale.add_argument("run_dir", type=Path, help="the run's directory, e.g. runs/mnist_downpour")
+    scale.add_argument(
+        "--replicas", type=int, required=True, help="how many replicas it goes on with"
+    )
+    scale.set_defaults(handler=_scale)
 
     info = verbs.add_parser("info", help="parameters, memory and FLOPs of a config's model")
     info.add_argument("config", type=Path, help="run config (TOML)")

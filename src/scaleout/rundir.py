@@ -239,6 +239,19 @@ def _acquire(path: Path) -> FileLock:
     return lock
 
 
+def in_training(path: Path) -> bool:
+    """Whether a run holds `path` now (its lock is taken): `scaleout scale` asks live runs."""
+    if not (path / LOCK_FILE).exists():
+        return False
+    lock = FileLock(path / LOCK_FILE, timeout=0, thread_local=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        return True
+    lock.release()
+    return False
+
+
 def _owner(path: Path) -> str:
     """` (pid N)`, ` (pid N on host)`, or `` when the holder did not say."""
     try:

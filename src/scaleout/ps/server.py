@@ -324,6 +324,11 @@ class ParameterServer(SameNodeShards):
         """Close the windows of replica `owner`'s clients (it failed)."""
         self._each(lambda i: self.shards[i].drop_windows.remote(owner), [0])
 
+    def set_outer_delay(self, delay: int) -> None:
+        """DiLoCo scaled to `delay` replicas: every shard's outer momentum applies once per
+        `delay` pushes (`ParameterShard.set_outer_delay`)."""
+        self._each(lambda i: self.shards[i].set_outer_delay.remote(delay))
+
     def values(self) -> torch.Tensor:
         """The whole parameter vector, uncompressed (P,)."""
         slices = self._each(lambda i: self.shards[i].values.remote())

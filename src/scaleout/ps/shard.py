@@ -252,6 +252,19 @@ class ParameterShard:
         if self.windows is not None:
             self.windows.drop_owner(owner)
 
+    def set_outer_delay(self, delay: int) -> None:
+        """DiLoCo, scaled to `delay` replicas: the outer momentum applies once every `delay`
+        pushes from now on (`outer.DelayedNesterov`; other optimizers have no delay); the
+        backup too, in its order of updates."""
+        self._check_state()
+        for group in self.optimizer.param_groups:
+            if "delay" in group:
+                group["delay"] = delay
+        if self.link is not None:
+            forward = self.link.forward("set_outer_delay", delay)
+            if not self.link.confirm(forward, self.shard_id) and self.link.due():
+                self._start_backup()  # a new one takes the state with the new delay
+
     # --- the backup ------------------------------------------------------------------------
 
     def replicate(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -95,6 +95,7 @@ class Worker:
         model = job.build_model(self.train_set).to(self.device)
         # What the loader reads: 8-bit pixels on CUDA (`loader.uint8`), finished on the device.
         shipped, self.finish_batch = job.loader.with_uint8(train_set, self.device)
+        self.whole_train_set = shipped  # Downpour: the parts are cut again when scaled
         if shipped is not train_set:
             self.train_set = data_part(shipped, role.replica, role.num_replicas)
         self.objective = objective_for(model, job.loss_fn(), self.test_set, job.metrics_source())
@@ -131,15 +132,7 @@ class Worker:
         self.replicas: dist.ProcessGroup | None = None  # this stage in the other pipelines
         # Downpour replica r > 0 shuffles its own part; worker 0 is strategy "single"
         self.data_seed = seed if role.replica == 0 else derive_seed(seed, role.replica)
-        self.batches = Batches(
-            self.train_set,
-            self.cfg.batch_size,
-            job.loader,
-            self.device,
-            self.finish_batch,
-            part=role.slice if role.sliced else 0,
-            num_parts=role.slices if role.sliced else 1,
-        )
+        self.batches = self._batches()
         position = position or {}
         self.step = position.get("step", 0)
         self.phase = position.get("phase", 0)
@@ -231,8 +224,32 @@ class Worker:
             sum_tied_gradients(self.tied, self.held.pipeline, self.device)
             average_gradients(self.model, self.replicas)
 
+    def _batches(self) -> Batches:
+        role = self.role
+        return Batches(
+            self.train_set,
+            self.cfg.batch_size,
+            self.job.loader,
+            self.device,
+            self.finish_batch,
+            part=role.slice if role.sliced else 0,
+            num_parts=role.slices if role.sliced else 1,
+        )
+
     def position(self) -> dict[str, int]:
         return {"step": self.step, "phase": self.phase, **self.batches.position()}
+
+    def take_part(self, replica: int, num_replicas: int, position: dict[str, int]) -> None:
+        """Downpour, scaled to `num_replicas` replicas: be replica `replica` and read its part
+        of the training set from `position` on (`downpour.positions.rescaled`), in the order
+        this worker read before (its seed stays, so the run's other replicas' orders do)."""
+        name = f"replica {replica}"
+        self.role = replace(self.role, name=name, replica=replica, num_replicas=num_replicas)
+        self.train_set = data_part(self.whole_train_set, replica, num_replicas)
+        self.step = position["step"]  # DiLoCo's schedule: its share of the run's steps
+        seed = self.batches.seed
+        self.batches = self._batches()
+        self.batches.seek(position["epoch"], position["batch"], seed)
 
     # --- training ------------------------------------------------------------------------
 

@@ -52,6 +52,13 @@ class DownpourSection(Section):
     # compute hides its communication (`scaleout.ps.client.threads_pay`).
     threads: bool | Literal["auto"] = False
     max_restarts: NonNegativeInt = 3  # per replica; a shard is always restarted
+    # Elastic: the driver starts replicas while the Ray cluster has a replica's CPUs free
+    # (a node joined), up to max_replicas, and goes on without a replica that died (its
+    # node left) down to min_replicas instead of restarting it. Any run, elastic or not,
+    # changes its count on `scaleout scale RUN_DIR --replicas N`.
+    elastic: bool = False
+    min_replicas: PositiveInt = 1  # elastic: the fewest replicas it goes on with
+    max_replicas: PositiveInt | None = None  # elastic: the most (None: as the cluster holds)
     timeout_s: TimeoutSeconds = 300.0  # a replica whose chunk takes longer is stuck: restarted
     # Each shard's backup applies every update too, so a shard that dies loses nothing;
     # None: 1 when the cluster holds the extra processes and has a node or core to spare.

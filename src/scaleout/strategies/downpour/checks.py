@@ -60,3 +60,27 @@ def check_asynchrony(opts: DownpourSection, grid: bool) -> None:
             "replica's workers fetch and push in step; set model_parallel.grid = [1, 1] "
             "and model_parallel.stages = 1"
         )
+
+
+def check_elastic(opts: DownpourSection, grid: bool) -> None:
+    """What an elastic run needs, one line each otherwise: min_replicas <= num_replicas <=
+    max_replicas, and replicas of one worker (a grid's or pipeline's workers start and
+    leave together with their collectives, which a running run cannot re-form)."""
+    if not opts.elastic:
+        return
+    if opts.min_replicas > opts.num_replicas:
+        raise ConfigError(
+            f"downpour.min_replicas = {opts.min_replicas} exceeds downpour.num_replicas = "
+            f"{opts.num_replicas}, the count an elastic run starts with: lower it"
+        )
+    if opts.max_replicas is not None and opts.max_replicas < opts.num_replicas:
+        raise ConfigError(
+            f"downpour.max_replicas = {opts.max_replicas} is below downpour.num_replicas = "
+            f"{opts.num_replicas}, the count an elastic run starts with: raise it"
+        )
+    if grid:
+        raise ConfigError(
+            "downpour.elastic = true needs replicas of one worker: a model-parallel "
+            "replica's workers form a process group that cannot grow or shrink; set "
+            "model_parallel.grid = [1, 1] and model_parallel.stages = 1"
+        )

@@ -53,6 +53,8 @@ class ReplicaFailures:
         def _attach_args(
             self, replica: Replica, fresh: bool, inner: OptimizerState | None = None
         ) -> list[tuple[Any, ...]]: ...
+        def _may_leave(self) -> bool: ...
+        def _vacate(self, replica_id: int) -> None: ...
 
     def _watch(self) -> None:
         """The watchdog: a replica whose chunk (at most `CHUNK_STEPS` steps) has made no
@@ -96,8 +98,11 @@ class ReplicaFailures:
         replica = self.replicas[replica_id]
         return replica.restartable and self.restarts[replica_id] < self.opts.max_restarts
 
-    def _log_failure(self, replica_id: int, kind: str, restart: bool, message: str) -> None:
-        """One failure in the summary's list and on the console."""
+    def _log_failure(
+        self, replica_id: int, kind: str, restart: bool, message: str, leaves: bool = False
+    ) -> None:
+        """One failure in the summary's list and on the console (`leaves`: an elastic run
+        goes on without the replica)."""
         self.failures.append(
             {
                 "time_s": round(time.time() - self._wall_start, 3),
@@ -108,10 +113,14 @@ class ReplicaFailures:
                 "message": message[:300],
             }
         )
-        console.print(
-            f"replica {replica_id} {kind} at step {self.step}: {message[:200]}"
-            + ("; restarting it" if restart else "; not restarting it (downpour.max_restarts)")
+        outcome = (
+            "; the run goes on without it (downpour.elastic)"
+            if leaves
+            else "; restarting it"
+            if restart
+            else "; not restarting it (downpour.max_restarts)"
         )
+        console.print(f"replica {replica_id} {kind} at step {self.step}: {message[:200]}{outcome}")
 
     def _replica_failed(self, replica_id: int, steps: int, error: BaseException) -> None:
         """Replica `replica_id` failed with a chunk of `steps` steps in flight (0: none):
@@ -127,11 +136,14 @@ class ReplicaFailures:
         message = describe_failure(error)  # a user error in a replica stops the run
         self.steps_lost += steps
         replica = self.replicas[replica_id]
-        restart = self._may_restart(replica_id)
-        self._log_failure(replica_id, kind, restart, message)
+        leaves = self._may_leave()
+        restart = not leaves and self._may_restart(replica_id)
+        self._log_failure(replica_id, kind, restart, message, leaves)
         replica.kill()
         self.shards.drop_windows(replica_id)  # with max_staleness, no one waits for it
-        if restart:  # it starts while the others train; it joins when attached
+        if leaves:
+            self._vacate(replica_id)  # the replicas close the gap at the next look
+        elif restart:  # it starts while the others train; it joins when attached
             self.restarts[replica_id] += 1
             self.replicas[replica_id] = self._spawn(replica_id)
             self.starting[replica_id] = [self.replicas[replica_id].started]

@@ -38,6 +38,7 @@ class PhaseShards:
         self.servers: list[list[ParameterServer | None]] = []  # [grid worker][group]
         self.pids: dict[tuple[int, int, int], int] = {}
         self.backups = 0  # backups per shard (downpour.shard_backups, resolved at start)
+        self.replica_count = opts.num_replicas  # DiLoCo's outer momentum: once per round
         history = (
             opts.max_staleness + 1
             if opts.max_staleness is not None
@@ -119,9 +120,17 @@ class PhaseShards:
         if opts.mode != "diloco":
             return self.job.optimizer_options(lr=lr, schedule=schedule)
         outer = outer_optimizer(
-            opts.outer_optimizer, opts.outer_lr, opts.outer_momentum, opts.num_replicas
+            opts.outer_optimizer, opts.outer_lr, opts.outer_momentum, self.replica_count
         )
         return OptimizerSpec(optimizer=outer, lr=opts.outer_lr, warmup_steps=0, schedule=Schedule())
+
+    def rescale(self, replica_count: int) -> None:
+        """The run goes on with `replica_count` replicas: DiLoCo's outer momentum applies
+        once per round of that many pushes (gradient pushes need nothing)."""
+        self.replica_count = replica_count
+        if self.opts.mode == "diloco":
+            for _, server in self.all():
+                server.set_outer_delay(replica_count)
 
     def drop_windows(self, replica: int) -> None:
         """Replica `replica` failed: its open windows hold no one back (max_staleness)."""

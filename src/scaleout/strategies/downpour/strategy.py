@@ -56,12 +56,16 @@ from scaleout.progress import console
 from scaleout.rundir import RunDir
 from scaleout.runtime import cpu_share
 from scaleout.strategies.downpour import DownpourSection
-from scaleout.strategies.downpour.checks import check_asynchrony, check_replica_steps
-from scaleout.strategies.downpour.failures import ReplicaFailures
+from scaleout.strategies.downpour.checks import (
+    check_asynchrony,
+    check_elastic,
+    check_replica_steps,
+)
 from scaleout.strategies.downpour.phase_shards import PhaseShards
 from scaleout.strategies.downpour.positions import data_progress, rescaled
 from scaleout.strategies.downpour.pushes import PUSHES_FILE, Pushes
 from scaleout.strategies.downpour.replicas import Replica, placement
+from scaleout.strategies.downpour.scaling import ReplicaScaling
 from scaleout.strategies.downpour.staleness_plot import STALENESS_PLOT, plot_staleness
 from scaleout.strategies.layout import (
     ModelParallelSection,
@@ -76,7 +80,7 @@ from scaleout.train.step import schedule_for
 CHUNK_STEPS = 20  # most steps handed to a replica at once
 
 
-class Downpour(ReplicaFailures):
+class Downpour(ReplicaScaling):
     name = "downpour"
     restartable = False  # it heals its own workers; a failure it cannot heal ends the run
 
@@ -119,6 +123,7 @@ class Downpour(ReplicaFailures):
             )
         check_replica_steps(job, self.grid is not None and grid.stages == 1)
         check_asynchrony(self.opts, self.grid is not None)
+        check_elastic(self.opts, self.grid is not None)
         self.run = RunDir(job.run_dir)
         num = self.opts.num_replicas
         self.positions: list[dict[str, int] | None] = [None] * num
@@ -142,6 +147,12 @@ class Downpour(ReplicaFailures):
         self.inner_schedule = None
         self._wall_start = time.time()
         self._reported = time.perf_counter()
+        self._init_scaling()
+
+    @property
+    def count(self) -> int:
+        """The replicas the run has now: `num_replicas`, or what it was scaled to."""
+        return len(self.positions)
 
     # --- plan and start --------------------------------------------------------------------
 
@@ -258,13 +269,14 @@ class Downpour(ReplicaFailures):
             )
         self.failures, self.steps_lost = meta["failures"], meta["steps_lost"]
         self.shard_updates_lost = meta["shard_updates_lost"]
+        self.events = meta.get("scaling", [])
         truncate_metrics(self.run.path / PUSHES_FILE, self.step)
 
     def _spawn(self, replica_id: int) -> Replica:
         return Replica(
             self.job,
             replica_id,
-            self.opts.num_replicas,
+            self.count,
             self.grid,
             self.positions[replica_id],
             self.replica_cpus,
@@ -307,7 +319,7 @@ class Downpour(ReplicaFailures):
         for its replica to start from."""
         opts = self.opts
         bounded = opts.max_staleness is not None
-        outer_scale = 1.0 / opts.num_replicas  # DiLoCo: each push 1/R of a round's mean
+        outer_scale = 1.0 / self.count  # DiLoCo: each push 1/R of a round's mean
         return [
             (
                 self.phase,
@@ -386,6 +398,7 @@ class Downpour(ReplicaFailures):
         chunk = Chunk()
         while True:
             if not stop():
+                self._look_at_scaling(chunk)
                 for r in self._active():
                     self._submit(r, target, limit)
             if self.step >= target and (self.step < limit or not self.in_flight):
@@ -438,6 +451,7 @@ class Downpour(ReplicaFailures):
 
     def _log_pushes(self, records: list[dict[str, Any]]) -> None:
         assert self.pushes is not None
+        self._first_pushes(records)
         self.shard_updates_lost += sum(r.get("updates_lost", 0) for r in records)
         self.pushes.log(records, self.step, self.examples, self._lr())
 
@@ -470,10 +484,16 @@ class Downpour(ReplicaFailures):
         fields["lr"] = self._lr()
         alive = sum(self.alive)
         fields["replicas_alive"] = alive
-        fields["_bar"] = {
+        fields["replicas"] = self.count
+        bar = {
             "rate": f"{fields['updates_per_s']:.1f} upd/s",
-            "alive": f"{alive}/{len(self.alive)} alive",
+            "alive": f"{alive}/{self.count} alive",
         }
+        if self.window_events:  # replicas that joined (+r) and left (-r) since the last line
+            fields["replicas_changed"] = self.window_events
+            bar["changed"] = " ".join(self.window_events)
+            self.window_events = []
+        fields["_bar"] = bar
         return fields
 
     def evaluate(self) -> dict[str, float]:
@@ -493,6 +513,7 @@ class Downpour(ReplicaFailures):
             steps_lost=self.steps_lost,
             shard_updates_lost=self.shard_updates_lost,
             placement=self.placement,
+            scaling=self.events,
         )
         return tensors, meta
 
@@ -504,6 +525,7 @@ class Downpour(ReplicaFailures):
             "shard_backups": self.shards.backups,
             "steps_lost": self.steps_lost,
             "shard_updates_lost": self.shard_updates_lost,
+            **self.scaling_summary(),
         }
 
     def close(self) -> None:
