@@ -23,7 +23,9 @@ runs are compared with the mean of three, the testnet host's with the mean of tw
 
 Faults: SIGKILL of a Downpour replica, a shard's primary, a shard's backup, the driver (then
 `--resume`); a Downpour replica killed while it starts and a shard primary lost while it
-starts (`faults_start`); SIGTERM to the driver, then `--resume`; a Sandblaster replica
+starts (`faults_start`); SIGTERM to the driver, then `--resume`; `scaleout scale` from one
+replica to two and back, and a testnet host joining and then leaving an elastic run
+(`faults_scale`, with the time to join and the examples/s meanwhile); a Sandblaster replica
 mid-portion, a sync worker and a model-parallel grid worker; a Downpour replica stopped
 (SIGSTOP: alive but silent, for the watchdog) and, as its control, one killed and not
 restarted (the run goes on with one replica); a full disk (a tmpfs filled up: the run stops
@@ -303,6 +305,11 @@ def run() -> SuiteResult:
         from benchmarks.faults_start import start_and_stop_faults
 
         outcomes += start_and_stop_faults(root / "downpour", reference)
+        from benchmarks.faults_scale import scaling_faults
+
+        scaled, left_out = scaling_faults(root / "downpour", reference)
+        outcomes += scaled
+        notes += left_out
         disk = _full_disk_fault(root, reference)
         if isinstance(disk, str):
             notes.append(disk)

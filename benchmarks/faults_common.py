@@ -90,18 +90,25 @@ class Outcome:
     quality: float  # accuracy (pp) or test loss (%) against the fault-free run
     quality_unit: str
     note: str = ""
+    join_s: float | None = None  # a replica joining: from what asked for it to its first push
+    dip: float | None = None  # examples/s while it joined over before it was asked for
 
     def rows(self) -> list[Row]:
         f = self.fault
         better = "higher" if self.quality_unit == "pp" else "lower"
         target = -0.3 if self.quality_unit == "pp" else 1.0
-        return [
+        rows = [
             Row(f"{f}: survived", float(self.survived), "yes (1) / no (0)", "higher", target=1),
             Row(f"{f}: updates lost", self.updates_lost, "updates or steps", "lower", target=0),
             Row(f"{f}: steps redone", self.steps_redone, "steps", "lower"),
             Row(f"{f}: extra wall time", self.extra_s, "s", "lower"),
             Row(f"{f}: vs fault-free", self.quality, self.quality_unit, better, target=target),
         ]
+        if self.join_s is not None:
+            rows.append(Row(f"{f}: time to join", self.join_s, "s", "lower", target=10))
+        if self.dip is not None:
+            rows.append(Row(f"{f}: examples/s while joining", self.dip, "x before", "higher"))
+        return rows
 
 
 @dataclass

@@ -106,6 +106,24 @@ class TestnetCluster:
         path = f"/sys/class/net/eth0/statistics/{direction}_bytes"
         return int(self.tool("exec", str(host), "cat", path))
 
+    def join(self, host: int) -> None:
+        """Start host `host`'s Ray node (host 0's is the head), offering its CPUs and
+        resources to the cluster."""
+        entry = self.hosts[host]
+        args = [str(BIN / "ray"), "start", f"--node-ip-address={entry.address}"]
+        args += [f"--num-cpus={entry.num_cpus}", "--disable-usage-stats"]
+        if entry.resources:
+            args.append(f"--resources={json.dumps(entry.resources)}")
+        if host == 0:
+            args += ["--head", f"--port={self.port}", "--include-dashboard=false"]
+            args.append(f"--temp-dir={self.temp_dir}")  # short: Ray's socket paths
+        else:
+            args.append(f"--address={self.address}")
+        # workers at the driver's niceness, as an embedded session's (`scaleout.runtime`):
+        # at Ray's default of 15 the raylets and the shards preempt the replicas
+        niceness = f"RAY_worker_niceness={WORKER_NICENESS}"
+        self.tool("exec", str(host), *self.ray_env(), niceness, *args)
+
     def kill_host(self, host: int) -> list[int]:
         """SIGKILL every process in `host` (its Ray node and everything on it); the PIDs."""
         listed = subprocess.run(
@@ -188,9 +206,12 @@ def testnet_cluster(
     num_cpus: Sequence[int],
     resources: Sequence[dict[str, float]] | None = None,
     rate: str = "1gbit",
+    started: int | None = None,
 ) -> Iterator[TestnetCluster]:
     """`len(num_cpus)` hosts at `rate`, host i with a Ray node offering `num_cpus[i]` CPUs
-    and `resources[i]`; everything in them ends (and the namespaces go) on exit."""
+    and `resources[i]`; everything in them ends (and the namespaces go) on exit. `started`:
+    only the first so many hosts start their node (`TestnetCluster.join` starts the others:
+    a host joining the cluster)."""
     reason = available()
     if reason is not None:
         raise RuntimeError(f"no testnet cluster: {reason}")
@@ -203,20 +224,8 @@ def testnet_cluster(
     try:
         for i, (cpus, offer) in enumerate(zip(num_cpus, resources, strict=True)):
             cluster.hosts.append(Host(i, cluster.tool("addr", str(i)), cpus, dict(offer)))
-        for host in cluster.hosts:
-            args = [str(BIN / "ray"), "start", f"--node-ip-address={host.address}"]
-            args += [f"--num-cpus={host.num_cpus}", "--disable-usage-stats"]
-            if host.resources:
-                args.append(f"--resources={json.dumps(host.resources)}")
-            if host.index == 0:
-                args += ["--head", f"--port={cluster.port}", "--include-dashboard=false"]
-                args.append(f"--temp-dir={cluster.temp_dir}")  # short: Ray's socket paths
-            else:
-                args.append(f"--address={cluster.address}")
-            # workers at the driver's niceness, as an embedded session's (`scaleout.runtime`):
-            # at Ray's default of 15 the raylets and the shards preempt the replicas
-            niceness = f"RAY_worker_niceness={WORKER_NICENESS}"
-            cluster.tool("exec", str(host.index), *cluster.ray_env(), niceness, *args)
+        for host in cluster.hosts[:started]:
+            cluster.join(host.index)
         yield cluster
     finally:
         cluster.tool("down")

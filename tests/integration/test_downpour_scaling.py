@@ -118,3 +118,20 @@ def test_resume_with_more_and_then_fewer_replicas(ray_session, tmp_path, referen
     steps = [r["step"] for r in read_metrics(shrunk.run_dir / "metrics.jsonl")]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS
     assert shrunk.summary["final_test_accuracy"] > reference - NOISE
+
+
+@pytest.mark.slow
+def test_diloco_scales_one_to_two_and_its_rounds_follow(ray_session, tmp_path):
+    """DiLoCo (the demo's mode) from one replica to two: pushes become half a round and the
+    shards' outer momentum applies once per two pushes; no update lost, about as accurate
+    as DiLoCo with two replicas throughout."""
+    diloco = ["downpour.mode=diloco", "downpour.n_fetch=4", "downpour.n_push=4"]
+    path = write_config(tmp_path, "reference", steps=STEPS, warmstart=0)
+    reference = prepare(path, overrides=diloco).train().summary["final_test_accuracy"]
+    run = prepare(write_config(tmp_path, steps=STEPS, replicas=1, warmstart=0), overrides=diloco)
+    when(run, 200, lambda: request_scale(run.run_dir.path, 2))
+    result = run.train()
+    assert result.step == STEPS
+    assert result.summary["replicas_joined"] == 1 and result.summary["replicas"] == 2
+    assert result.summary["shard_updates_lost"] == 0
+    assert result.summary["final_test_accuracy"] > reference - NOISE

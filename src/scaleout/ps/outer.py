@@ -60,6 +60,28 @@ class DelayedNesterov(torch.optim.Optimizer):
         return None
 
 
+    @torch.no_grad()
+    def set_delay(self, delay: int) -> None:
+        """Apply the momentum once every `delay` pushes from now on (the replica count
+        changed): the round in progress closes now, its momentum applied on what it holds,
+        and the next round starts with the next push."""
+        if delay < 1:
+            raise ValueError(f"DelayedNesterov: delay >= 1; got {delay}")
+        for group in self.param_groups:
+            lr, beta = group["lr"], group["momentum"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    continue
+                if int(state["step"]) % group["delay"]:
+                    buf = state["momentum_buffer"]
+                    buf.mul_(beta).add_(state["pending"])
+                    p.add_(buf, alpha=-lr * beta)
+                    state["pending"].zero_()
+                state["step"].zero_()
+            group["delay"] = delay
+
+
 def outer_optimizer(
     kind: str, lr: float, momentum: float, delay: int
 ) -> Callable[[Iterable[Any]], torch.optim.Optimizer]:

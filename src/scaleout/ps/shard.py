@@ -55,6 +55,7 @@ from scaleout.nn.optim import OptimizerOptions, build_optimizer, schedule_of
 from scaleout.nn.schedule import apply_lr
 from scaleout.ps import shared
 from scaleout.ps.backup import BackupLink, BackupPolicy
+from scaleout.ps.outer import DelayedNesterov
 from scaleout.ps.staleness import Staleness, StalenessPolicy, Windows
 from scaleout.ps.wire import Payload, Wire
 
@@ -254,12 +255,11 @@ class ParameterShard:
 
     def set_outer_delay(self, delay: int) -> None:
         """DiLoCo, scaled to `delay` replicas: the outer momentum applies once every `delay`
-        pushes from now on (`outer.DelayedNesterov`; other optimizers have no delay); the
-        backup too, in its order of updates."""
+        pushes from now on (`DelayedNesterov.set_delay`; other optimizers have no delay);
+        the backup too, in its order of updates."""
         self._check_state()
-        for group in self.optimizer.param_groups:
-            if "delay" in group:
-                group["delay"] = delay
+        if isinstance(self.optimizer, DelayedNesterov):
+            self.optimizer.set_delay(delay)
         if self.link is not None:
             forward = self.link.forward("set_outer_delay", delay)
             if not self.link.confirm(forward, self.shard_id) and self.link.due():

@@ -233,7 +233,7 @@ class ReplicaScaling(ReplicaFailures):
             self.replicas.append(self._spawn(r))
             self.starting[r] = [self.replicas[r].started]
             self.joining[r] = requested_at
-            self._note("asked to join", r, why)
+            self._note("asked to join", r, why, requested_at=round(requested_at, 3))
 
     def _leave(self, replica_id: int) -> None:
         """Replica `replica_id` pushes what it holds, waits until the shards applied it, and
@@ -270,7 +270,8 @@ class ReplicaScaling(ReplicaFailures):
             if replica_id in self.joining and "t" in record:
                 waited = record["t"] - self.joining.pop(replica_id)
                 detail = f"first push {waited:.1f} s after it was asked for"
-                self._note("joined", replica_id, detail, first_push_s=round(waited, 3))
+                pushed = round(record["t"], 3)  # wall time, as `requested_at`
+                self._note("joined", replica_id, detail, first_push_s=round(waited, 3), at=pushed)
 
     def scaling_summary(self) -> dict[str, Any]:
         joins = [e["first_push_s"] for e in self.events if e["event"] == "joined"]

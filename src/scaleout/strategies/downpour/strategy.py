@@ -95,6 +95,7 @@ class Downpour(ReplicaScaling):
                 "for tensor-parallel layers"
             )
         self.grid = grid if grid.num_workers > 1 else None  # each replica a grid or pipeline
+        check_elastic(self.opts, self.grid is not None)
         if grid.stages > 1:
             check_pipeline(job, grid, tied=False)
         elif self.grid is not None:
@@ -123,7 +124,6 @@ class Downpour(ReplicaScaling):
             )
         check_replica_steps(job, self.grid is not None and grid.stages == 1)
         check_asynchrony(self.opts, self.grid is not None)
-        check_elastic(self.opts, self.grid is not None)
         self.run = RunDir(job.run_dir)
         num = self.opts.num_replicas
         self.positions: list[dict[str, int] | None] = [None] * num
