@@ -239,10 +239,15 @@ class Worker:
     def position(self) -> dict[str, int]:
         return {"step": self.step, "phase": self.phase, **self.batches.position()}
 
-    def take_part(self, replica: int, num_replicas: int, position: dict[str, int]) -> None:
+    def take_part(
+        self, replica: int, num_replicas: int, position: dict[str, int], outer_scale: float
+    ) -> None:
         """Downpour, scaled to `num_replicas` replicas: be replica `replica` and read its part
         of the training set from `position` on (`downpour.positions.rescaled`), in the order
-        this worker read before (its seed stays, so the run's other replicas' orders do)."""
+        this worker read before (its seed stays, so the run's other replicas' orders do);
+        DiLoCo pushes `outer_scale` of the change (its share of a round)."""
+        if isinstance(self.updater, ShardUpdate):
+            self.updater.client.outer_scale = outer_scale
         name = f"replica {replica}"
         self.role = replace(self.role, name=name, replica=replica, num_replicas=num_replicas)
         self.train_set = data_part(self.whole_train_set, replica, num_replicas)

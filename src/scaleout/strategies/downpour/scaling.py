@@ -117,6 +117,8 @@ class ReplicaScaling(ReplicaFailures):
 
         @property
         def count(self) -> int: ...
+        @property
+        def outer_scale(self) -> float: ...
         def _wait_one(self, chunk: Chunk) -> None: ...
         def _log_pushes(self, records: list[dict[str, Any]]) -> None: ...
 
@@ -213,7 +215,8 @@ class ReplicaScaling(ReplicaFailures):
         self.shards.rescale(count)
         for new, replica in enumerate(self.replicas):
             replica.id = new
-            replica.call(Worker.take_part, new, count, positions[new], doing="taking its part")
+            part = (new, count, positions[new], self.outer_scale)
+            replica.call(Worker.take_part, *part, doing="taking its part")
         for new, _ in moved:
             replica = self.replicas[new]
             args = self._attach_args(replica, False, inners[new])

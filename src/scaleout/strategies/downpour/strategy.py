@@ -154,6 +154,11 @@ class Downpour(ReplicaScaling):
         """The replicas the run has now: `num_replicas`, or what it was scaled to."""
         return len(self.positions)
 
+    @property
+    def outer_scale(self) -> float:
+        """DiLoCo: each push is 1/R of a round's mean (gradient pushes ignore it)."""
+        return 1.0 / self.count
+
     # --- plan and start --------------------------------------------------------------------
 
     def plan(self) -> Plan:
@@ -319,7 +324,7 @@ class Downpour(ReplicaScaling):
         for its replica to start from."""
         opts = self.opts
         bounded = opts.max_staleness is not None
-        outer_scale = 1.0 / self.count  # DiLoCo: each push 1/R of a round's mean
+        outer_scale = self.outer_scale
         return [
             (
                 self.phase,
