@@ -169,8 +169,13 @@ class ReplicaFailures:
         return self.inner
 
     def _first_alive(self) -> Replica:
-        self._settle_starting(wait=True)  # a replica answers once it is attached
-        return next(r for r, ok in zip(self.replicas, self.alive, strict=True) if ok)
+        """The first live replica attached to the shards; when every live one is starting
+        (restarted, or joining), the first once it is attached."""
+        ready = [r for r, ok in enumerate(self.alive) if ok and r not in self.starting]
+        if not ready:
+            self._settle_starting(wait=True)
+            ready = [r for r, ok in enumerate(self.alive) if ok]
+        return self.replicas[ready[0]]
 
     def _ask_first_alive(self, method: Method[T], *args: Any, doing: str) -> list[T]:  # noqa: ANN401
         """The first live replica's answers to `method`, one per worker: an evaluation, the

@@ -188,11 +188,11 @@ class ReplicaScaling(ReplicaFailures):
         console.print(f"going on with {count} replicas ({why})")
         while self.in_flight:  # every replica at a chunk's end, its position known
             self._wait_one(chunk)
-        self._settle_starting(wait=True)
         survivors = [r for r in range(len(self.replicas)) if self.alive[r]]
         keep, leaving = survivors[:count], survivors[count:]
         for r in leaving:
             self._leave(r)
+        self._settle_starting(wait=True)  # those that stay, restarted or joining: attached
         for r in range(len(self.replicas)):
             if r not in keep and r not in leaving:
                 self.replicas[r].kill()  # failed for good, or vacated: its slot goes
@@ -243,10 +243,14 @@ class ReplicaScaling(ReplicaFailures):
         ends (not a failure)."""
         replica = self.replicas[replica_id]
         kept = "its last push applied"
-        try:
-            self._log_pushes(replica.call(Worker.flush_pushes, doing="leaving")[0])
-        except ray.exceptions.RayError:
-            kept = "its last push lost with it"
+        if self.starting.pop(replica_id, None) is not None:
+            kept = "before it joined: it had not pushed"
+        else:
+            try:
+                self._log_pushes(replica.call(Worker.flush_pushes, doing="leaving")[0])
+            except ray.exceptions.RayError:
+                kept = "its last push lost with it"
+        self.joining.pop(replica_id, None)
         replica.kill()
         self.shards.drop_windows(replica_id)
         self._note("left", replica_id, kept)
