@@ -92,6 +92,7 @@ class Outcome:
     note: str = ""
     join_s: float | None = None  # a replica joining: from what asked for it to its first push
     dip: float | None = None  # examples/s while it joined over before it was asked for
+    join_target: float | None = None  # the most seconds `join_s` may take, where one is set
 
     def rows(self) -> list[Row]:
         f = self.fault
@@ -105,7 +106,8 @@ class Outcome:
             Row(f"{f}: vs fault-free", self.quality, self.quality_unit, better, target=target),
         ]
         if self.join_s is not None:
-            rows.append(Row(f"{f}: time to join", self.join_s, "s", "lower", target=10))
+            target = self.join_target
+            rows.append(Row(f"{f}: time to join", self.join_s, "s", "lower", target=target))
         if self.dip is not None:
             rows.append(Row(f"{f}: examples/s while joining", self.dip, "x before", "higher"))
         return rows

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from scaleout.strategies.downpour.scaling import request_scale
 
 GROW_AT, SHRINK_AT = 500, 1300  # steps of the 2000-step fault-free Downpour run
 HOST_STEPS, HOST_JOINS_AT, HOST_LEAVES_AT = 1500, 300, 900
+HOST_FAULT = "testnet host joins, then leaves an elastic run"
 
 
 def _rate_while_joining(records: list[dict[str, Any]], asked: int, joined: int) -> float | None:
@@ -45,6 +47,7 @@ def _joins(events: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]
     """The first replica asked to join, and its joining (first push)."""
     asked = next(e for e in events if e["event"] == "asked to join")
     joined = next(e for e in events if e["event"] == "joined" and e["replica"] == asked["replica"])
+    # (StopIteration: it never joined; the caller's row says so)
     return asked, joined
 
 
@@ -73,6 +76,7 @@ def _scale_one_two_one(root: Path, reference: Done) -> Outcome:
     redone = done.summary.get("steps_lost", 0)
     out = outcome("downpour scale 1 -> 2 -> 1 (scaleout scale)", done, reference, redone, note)
     out.join_s, out.dip = joined["first_push_s"], dip
+    out.join_target = 10.0  # seconds from the command to the new replica's first push
     return out
 
 
@@ -114,10 +118,10 @@ def _host_joins_and_leaves(root: Path) -> Outcome | str:
         output: list[str] = []
         threading.Thread(target=lambda: output.extend(run.stderr), daemon=True).start()
         run_dir = root / "runs" / "elastic"
-        _wait_for(run, run_dir, lambda r: r["step"] >= HOST_JOINS_AT)
+        _wait_for(run, run_dir, lambda rs: rs[-1]["step"] >= HOST_JOINS_AT)
         joined_at = time.time()
         cluster.join(1)
-        _wait_for(run, run_dir, lambda r: r.get("replicas") == 2 and r["step"] >= HOST_LEAVES_AT)
+        _wait_for(run, run_dir, _joined_and_past(HOST_LEAVES_AT))
         cluster.kill_host(1)
         if run.wait(timeout=900) != 0:
             raise RuntimeError(f"the elastic run failed: {''.join(output)[-1500:]}")
@@ -126,7 +130,7 @@ def _host_joins_and_leaves(root: Path) -> Outcome | str:
     asked, joined = _joins(meta["scaling"])
     dip = _rate_while_joining(_metric_records(run_dir), asked["step"], joined["step"])
     done = Done(meta, elastic_s, meta["step"], HOST_STEPS)
-    fault = "testnet host joins, then leaves an elastic run"
+    fault = HOST_FAULT
     left = [e for e in meta["scaling"] if e["event"] == "left"]
     note = (
         f"host 1 joined at step {asked['step']} (its `ray start` to the new replica's first "
@@ -139,13 +143,29 @@ def _host_joins_and_leaves(root: Path) -> Outcome | str:
     return out
 
 
-def _wait_for(run: subprocess.Popen, run_dir: Path, condition: Any) -> None:  # noqa: ANN401
-    """Until a line of the run's metrics meets `condition`; the run must not end first."""
+def _joined_and_past(step: int) -> Callable[[list[dict[str, Any]]], bool]:
+    """Metrics lines that show a replica joined (its first push) and the run past `step`."""
+
+    def met(records: list[dict[str, Any]]) -> bool:
+        joined = any(c.startswith("+") for r in records for c in r.get("replicas_changed", []))
+        return joined and records[-1]["step"] >= step
+
+    met.__doc__ = f"a replica joined and the run passed step {step}"
+    return met
+
+
+def _wait_for(
+    run: subprocess.Popen, run_dir: Path, condition: Callable[[list[dict[str, Any]]], bool]
+) -> None:
+    """Until the run's metrics lines meet `condition`; the run must not end first."""
     deadline = time.monotonic() + 600
     metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and any(condition(r) for r in read_metrics(metrics))):
+    while True:
+        records = list(read_metrics(metrics)) if metrics.exists() else []
+        if records and condition(records):
+            return
         if run.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the run ended (or stalled) before {condition}")
+            raise RuntimeError(f"the run ended (or stalled) before: {condition.__doc__}")
         time.sleep(0.2)
 
 
@@ -153,7 +173,10 @@ def scaling_faults(root: Path, reference: Done) -> tuple[list[Outcome], list[str
     """The rows of this module (`reference`: the fault-free Downpour runs), and notes for
     what had to be left out."""
     outcomes, notes = [_scale_one_two_one(root, reference)], []
-    host = _host_joins_and_leaves(root / "elastic_host")
+    try:
+        host = _host_joins_and_leaves(root / "elastic_host")
+    except (RuntimeError, StopIteration) as error:  # a row that says why it failed
+        host = Outcome(HOST_FAULT, False, 0, 0, 0.0, 0.0, "pp", f"failed: {error}"[:400])
     if isinstance(host, str):
         notes.append(host)
     else:
