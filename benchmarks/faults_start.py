@@ -36,8 +36,8 @@ def _replica_killed_while_starting(root: Path, reference: Done) -> Outcome:
     spawn = run.strategy._spawn
     killed: list[int] = []
 
-    def spawn_then_kill(replica_id: int) -> Any:  # noqa: ANN401 - a Replica
-        replica = spawn(replica_id)
+    def spawn_then_kill(replica_id: int, most_cpus: float | None = None) -> Any:  # noqa: ANN401 - a Replica
+        replica = spawn(replica_id, most_cpus)
         if replica_id == 1 and not killed:
             ray.kill(replica.actor, no_restart=True)
             killed.append(replica_id)

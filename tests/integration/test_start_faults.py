@@ -78,6 +78,37 @@ def test_a_replica_killed_while_starting_is_started_again(ray_session, tmp_path,
     assert failure["failures"][0]["kind"] == "died while starting"
 
 
+def test_a_replica_no_node_takes_is_started_again_with_the_cpus_free(
+    ray_session, tmp_path, monkeypatch
+):
+    """Replica 1 first asks for more CPUs than the cluster has (as when its share is held by
+    a process Ray has not let go of, or by a node that is gone): after the start timeout it
+    is started again, asking for what is free, and the run trains on."""
+    from scaleout.strategies.downpour import failures
+
+    monkeypatch.setattr(failures, "START_TIMEOUT_S", 3.0)
+    run = prepare(config(tmp_path, "dp"), overrides=["downpour.timeout_s=1"])
+    strategy, spawn, asked = run.strategy, run.strategy._spawn, []
+
+    def too_big_at_first(replica_id: int, most_cpus: float | None = None):
+        if replica_id != 1 or asked:
+            return spawn(replica_id, most_cpus)
+        asked.append(most_cpus)
+        share, strategy.replica_cpus = strategy.replica_cpus, 64.0
+        try:
+            return spawn(replica_id, most_cpus)
+        finally:
+            strategy.replica_cpus = share
+
+    strategy._spawn = too_big_at_first
+    result = run.train()
+    assert asked == [None] and result.step == 400
+    assert result.summary["replica_restarts"] == 1
+    failure = load_checkpoint(result.run_dir / "checkpoints" / "step_00000400.json")[1]
+    assert failure["failures"][0]["kind"] == "died while starting"
+    assert "not started in 3 s" in failure["failures"][0]["message"]
+
+
 def test_a_replica_that_raises_the_same_error_twice_stops_the_run(ray_session, tmp_path):
     with pytest.raises(UserError, match="failed while starting: RuntimeError: cannot move"):
         prepare(config(tmp_path, "dp", always_raises=True)).train()

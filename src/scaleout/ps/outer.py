@@ -59,7 +59,6 @@ class DelayedNesterov(torch.optim.Optimizer):
                     state["pending"].zero_()
         return None
 
-
     @torch.no_grad()
     def set_delay(self, delay: int) -> None:
         """Apply the momentum once every `delay` pushes from now on (the replica count

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from scaleout.comm import WorkerDied
 from scaleout.errors import UserError
@@ -49,7 +49,7 @@ class ReplicaFailures:
 
     if TYPE_CHECKING:  # defined by the strategy
 
-        def _spawn(self, replica_id: int) -> Replica: ...
+        def _spawn(self, replica_id: int, most_cpus: float | None = None) -> Replica: ...
         def _attach_args(
             self, replica: Replica, fresh: bool, inner: OptimizerState | None = None
         ) -> list[tuple[Any, ...]]: ...
@@ -78,10 +78,16 @@ class ReplicaFailures:
         while True:
             replica = self.replicas[replica_id]
             try:
-                replica.wait_started()
+                replica.wait_started(max(self.opts.timeout_s, START_TIMEOUT_S))
                 return
-            except (RayActorError, RayTaskError) as error:
-                message = describe_failure(error)  # a user's error stops the run here
+            except (RayActorError, RayTaskError, GetTimeoutError) as error:
+                unplaced = isinstance(error, GetTimeoutError)
+                message = (
+                    f"not started in {max(self.opts.timeout_s, START_TIMEOUT_S):g} s (no node "
+                    "took it, or it hung while starting)"
+                    if unplaced
+                    else describe_failure(error)  # a user's error stops the run here
+                )
                 raised = isinstance(error, RayTaskError)  # not a lost process
                 if not self._may_restart(replica_id) or (raised and message == previous):
                     raise WorkerDied(
@@ -92,7 +98,10 @@ class ReplicaFailures:
                 replica.kill()
                 self.restarts[replica_id] += 1
                 time.sleep(restart_backoff_s(self.restarts[replica_id]))
-                self.replicas[replica_id] = self._spawn(replica_id)
+                # One that no node took asks next for the CPUs free (its share may be held
+                # by a process Ray has not let go of, or by a node that is gone).
+                free = ray.available_resources().get("CPU", 0.0) if unplaced else None
+                self.replicas[replica_id] = self._spawn(replica_id, free)
 
     def _may_restart(self, replica_id: int) -> bool:
         replica = self.replicas[replica_id]

@@ -79,13 +79,14 @@ class Replica:
     def restartable(self) -> bool:
         return self.group is None
 
-    def wait_started(self) -> None:
+    def wait_started(self, timeout_s: float | None = None) -> None:
         """Wait until the replica has built its model and data. A one-worker replica that
-        fails raises Ray's error (the strategy may start it again); a grid replica
-        `WorkerDied` with its own message (a user's error as itself)."""
+        fails raises Ray's error (the strategy may start it again; `GetTimeoutError` when
+        it did not start in `timeout_s`, e.g. no node took it); a grid replica `WorkerDied`
+        with its own message (a user's error as itself)."""
         if self.started is not None:
             try:
-                ray.get(self.started)
+                ray.get(self.started, timeout=timeout_s if self.restartable else None)
             except (RayActorError, RayTaskError) as error:
                 if self.restartable:
                     raise

@@ -277,14 +277,16 @@ class Downpour(ReplicaScaling):
         self.events = meta.get("scaling", [])
         truncate_metrics(self.run.path / PUSHES_FILE, self.step)
 
-    def _spawn(self, replica_id: int) -> Replica:
+    def _spawn(self, replica_id: int, most_cpus: float | None = None) -> Replica:
+        """Start replica `replica_id` with its share of CPUs (at most `most_cpus`)."""
+        cpus = self.replica_cpus if most_cpus is None else min(self.replica_cpus, most_cpus)
         return Replica(
             self.job,
             replica_id,
             self.count,
             self.grid,
             self.positions[replica_id],
-            self.replica_cpus,
+            cpus,
             self.opts.replica_resource,
             self._where,
             self.inner_schedule,
@@ -494,9 +496,9 @@ class Downpour(ReplicaScaling):
             "rate": f"{fields['updates_per_s']:.1f} upd/s",
             "alive": f"{alive}/{self.count} alive",
         }
-        if self.window_events:  # replicas that joined (+r) and left (-r) since the last line
+        bar["changed"] = " ".join(self.window_events)  # joined (+r) and left (-r), or ""
+        if self.window_events:  # since the last line
             fields["replicas_changed"] = self.window_events
-            bar["changed"] = " ".join(self.window_events)
             self.window_events = []
         fields["_bar"] = bar
         return fields
