@@ -544,4 +544,8 @@ class Downpour(ReplicaScaling):
         if self.pushes is not None:
             self.pushes.close()
             self.pushes = None
-            plot_staleness(self.run.path / PUSHES_FILE, self.run.path / STALENESS_PLOT)
+            plot = self.run.path / STALENESS_PLOT
+            try:  # a plot drawn from the push records: never worth the run's own error
+                plot_staleness(self.run.path / PUSHES_FILE, plot)
+            except OSError as err:  # e.g. the disk that stopped the run is full
+                console.print(f"{plot.name} not drawn: {err.strerror or err}")
