@@ -122,6 +122,7 @@ def test_elastic_grows_into_free_cpus_and_goes_on_without_a_replica_that_died(
     assert summary["final_test_accuracy"] > 0.85
 
 
+@pytest.mark.slow  # the default suite has its rescaling mid-run (above) and its positions
 def test_resume_with_more_and_then_fewer_replicas(ray_session, tmp_path, reference, capsys):
     path = write_config(tmp_path, steps=STEPS, warmstart=0)
     first = prepare(path, overrides=["train.steps=200"], overwrite=True).train()

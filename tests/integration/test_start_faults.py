@@ -78,6 +78,7 @@ def test_a_replica_killed_while_starting_is_started_again(ray_session, tmp_path,
     assert failure["failures"][0]["kind"] == "died while starting"
 
 
+@pytest.mark.slow
 def test_a_replica_no_node_takes_is_started_again_with_the_cpus_free(
     ray_session, tmp_path, monkeypatch
 ):
