@@ -146,11 +146,11 @@ def test_diloco_scales_one_to_two_and_its_rounds_follow(ray_session, tmp_path):
     steps, measured: 86.1% for one replica throughout, 89.05% for two, 86.4% scaled at
     step 200)."""
     diloco = ["downpour.mode=diloco", "downpour.n_fetch=4", "downpour.n_push=4"]
-    steps = 1500
+    steps = 3000  # DiLoCo steps fast: long enough for the new replica's process to start
     path = write_config(tmp_path, "reference", steps=steps, replicas=1, warmstart=0)
     reference = prepare(path, overrides=diloco).train().summary["final_test_accuracy"]
     run = prepare(write_config(tmp_path, steps=steps, replicas=1, warmstart=0), overrides=diloco)
-    when(run, 100, lambda: request_scale(run.run_dir.path, 2))
+    when(run, 50, lambda: request_scale(run.run_dir.path, 2))
     result = run.train()
     assert result.step == steps
     assert result.summary["replicas_joined"] == 1 and result.summary["replicas"] == 2
