@@ -289,7 +289,8 @@ class Driver:
                 phase_end = any(before < b <= self.step for b in boundaries)
                 last = self.step >= total or stopped is not None
                 evaluating = crossed(cfg.eval_every) or phase_end or last
-                if crossed(cfg.log_every) or evaluating or interrupt.requested:
+                stopping = interrupt.requested and record.get("step") != self.step
+                if crossed(cfg.log_every) or evaluating or stopping:
                     emit(evaluating)
                 due = crossed(cfg.checkpoint_every) or phase_end
                 if due and not (self.step >= total or interrupt.requested or stopped):
