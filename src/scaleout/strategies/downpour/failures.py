@@ -75,16 +75,16 @@ class ReplicaFailures:
         again after a backoff, as a replica that fails mid-run, up to `downpour.max_restarts`;
         the same exception twice in a row is deterministic and stops the run with it."""
         previous: str | None = None  # the exception the last attempt raised, if it raised
+        limit = max(self.opts.timeout_s, START_TIMEOUT_S)  # start-up is not progress
         while True:
             replica = self.replicas[replica_id]
             try:
-                replica.wait_started(max(self.opts.timeout_s, START_TIMEOUT_S))
+                replica.wait_started(limit)
                 return
             except (RayActorError, RayTaskError, GetTimeoutError) as error:
                 unplaced = isinstance(error, GetTimeoutError)
                 message = (
-                    f"not started in {max(self.opts.timeout_s, START_TIMEOUT_S):g} s (no node "
-                    "took it, or it hung while starting)"
+                    f"not started in {limit:g} s (no node took it, or it hung while starting)"
                     if unplaced
                     else describe_failure(error)  # a user's error stops the run here
                 )

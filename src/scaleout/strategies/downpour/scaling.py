@@ -211,7 +211,7 @@ class ReplicaScaling(ReplicaFailures):
         self.replicas = [self.replicas[r] for r in keep]
         self.restarts = [self.restarts[r] for r in keep]
         self.alive = [True] * len(keep)
-        self.positions = list(positions)
+        self.positions = positions
         self.shards.rescale(count)
         for new, replica in enumerate(self.replicas):
             replica.id = new
